@@ -1,0 +1,106 @@
+"""Server arguments: one frozen dataclass, its command-line flags, and start-up validation.
+
+Every flag has one field of the same name (dashes become underscores). Values that depend on
+the model or the machine (context length, KV capacity, dtype) are resolved by the scheduler at
+start-up and reported back; `GET /get_server_info` shows both the arguments and those values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A flag has a value we cannot run with; the message names the flag."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerArgs:
+    model_path: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "auto"
+    dtype: str = "auto"
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 512
+    context_length: int | None = None
+    disaggregation_mode: str = "null"
+    random_seed: int = 0
+    graceful_shutdown_timeout: float = 30.0
+    log_level: str = "info"
+    torch_num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.port, 0 <= self.port < 65536, "--port must be in [0, 65535]"),
+            (self.device, self.device in ("auto", "cpu", "cuda") or self.device.startswith(
+                "cuda:"), "--device must be auto, cpu, cuda or cuda:N"),
+            (self.dtype, self.dtype in DTYPES, f"--dtype must be one of {DTYPES}"),
+            (self.page_size, self.page_size >= 1, "--page-size must be >= 1"),
+            (self.max_total_tokens, self.max_total_tokens is None or self.max_total_tokens >= 1,
+             "--max-total-tokens must be >= 1"),
+            (self.mem_fraction_static, self.mem_fraction_static is None
+             or 0 < self.mem_fraction_static < 1, "--mem-fraction-static must be in (0, 1)"),
+            (self.max_running_requests, self.max_running_requests >= 1,
+             "--max-running-requests must be >= 1"),
+            (self.chunked_prefill_size, self.chunked_prefill_size == -1
+             or self.chunked_prefill_size >= 1,
+             "--chunked-prefill-size must be >= 1, or -1 to disable chunking"),
+            (self.context_length, self.context_length is None or self.context_length >= 2,
+             "--context-length must be >= 2"),
+            (self.disaggregation_mode, self.disaggregation_mode in DISAGGREGATION_MODES,
+             f"--disaggregation-mode must be one of {DISAGGREGATION_MODES}"),
+            (self.graceful_shutdown_timeout, self.graceful_shutdown_timeout >= 0,
+             "--graceful-shutdown-timeout must be >= 0"),
+        ]
+        for value, ok, message in checks:
+            if not ok:
+                raise ConfigError(f"{message} (got {value!r})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerArgs()
+    a = parser.add_argument
+    a("--model-path", default=d.model_path,
+      help="Hugging Face-format model folder; default: the embedded SmolLM2-135M-Instruct")
+    a("--served-model-name", default=d.served_model_name,
+      help="model name reported by /v1/models (default: the folder name)")
+    a("--host", default=d.host)
+    a("--port", type=int, default=d.port)
+    a("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    a("--dtype", default=d.dtype, choices=DTYPES,
+      help="auto: float32 on CPU, bfloat16 on CUDA")
+    a("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    a("--max-total-tokens", type=int, default=d.max_total_tokens,
+      help="KV pool capacity in tokens (default: from --mem-fraction-static)")
+    a("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+      help="share of free memory for the KV pool (default 0.85 on CUDA, 0.1 on CPU)")
+    a("--max-running-requests", type=int, default=d.max_running_requests)
+    a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+      help="max prompt tokens per extend batch; -1 disables chunked prefill")
+    a("--context-length", type=int, default=d.context_length,
+      help="max prompt + output tokens (default: the model's max_position_embeddings)")
+    a("--disaggregation-mode", default=d.disaggregation_mode, choices=DISAGGREGATION_MODES)
+    a("--random-seed", type=int, default=d.random_seed)
+    a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
+      help="seconds SIGTERM waits for in-flight requests before aborting them")
+    a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    a("--torch-num-threads", type=int, default=d.torch_num_threads,
+      help="intra-op threads of the scheduler process (default: torch's choice)")
+
+
+def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
