@@ -23,7 +23,7 @@ from common.engine.runner import ModelRunner, Segment, SegmentLogits
 from common.engine.sampler import Sampler, top_logprobs_rows
 from common.engine.scheduler import ScheduledBatch, Scheduler
 from common.engine.tokenizer import Tokenizer
-from common.messages.detokenizer_input import TokenDelta
+from common.messages.detokenizer_input import EngineStats, TokenDelta
 from common.messages.sampling import FinishReason
 from common.messages.scheduler_input import GenerateRequest
 
@@ -91,6 +91,19 @@ class EngineCore:
         allocator.reset()
         return True, "cache flushed"
 
+    def stats(self, request_id: str) -> EngineStats:
+        allocator = self.pool.allocator
+        return EngineStats(
+            request_id=request_id,
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            num_free_pages=allocator.num_free_pages,
+            num_total_pages=allocator.num_total_pages,
+            page_size=self.pool.page_size,
+            num_retractions=self.scheduler.num_retractions,
+            num_steps=self.num_steps,
+        )
+
     def has_work(self) -> bool:
         return not self.scheduler.is_idle()
 
@@ -123,11 +136,15 @@ class EngineCore:
         if sample_reqs:
             result = self.sampler.sample(logits[sample_rows], sample_reqs)
             for i, req in enumerate(sample_reqs):
+                req.input_logprobs_done = True
+                if req.sampling.max_new_tokens == 0:  # prompt logprobs only
+                    req.finish_reason = FinishReason(type="length", length=0)
+                    deltas.append(self._finish(req))
+                    continue
                 req.output_ids.append(result.token_ids[i])
                 if result.logprobs is not None and req.return_logprob:
                     req.output_logprobs.append(result.logprobs[i])
                     req.output_top_logprobs.append(result.top_logprobs[i])
-                req.input_logprobs_done = True
                 req.finish_reason = self._check_stop(req)
                 if req.finished:
                     deltas.append(self._finish(req))
@@ -184,6 +201,7 @@ class EngineCore:
         sent = req.num_sent
         req.num_sent = len(req.output_ids)
         first = sent == 0
+        start = max(req.logprob_start_len, 0)
         return TokenDelta(
             rid=req.rid,
             new_ids=req.output_ids[sent:],
@@ -196,7 +214,7 @@ class EngineCore:
             no_stop_trim=req.sampling.no_stop_trim,
             output_logprobs=req.output_logprobs[sent:],
             output_top_logprobs=req.output_top_logprobs[sent:],
-            input_logprobs=req.input_logprobs if first else [],
-            input_top_logprobs=req.input_top_logprobs if first else [],
-            input_logprob_start=max(req.logprob_start_len, 0),
+            input_logprobs=req.input_logprobs[start:] if first else [],
+            input_top_logprobs=req.input_top_logprobs[start:] if first else [],
+            input_logprob_start=start,
         )

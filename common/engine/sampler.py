@@ -48,7 +48,7 @@ class Sampler:
     def generator_for(self, req: Req) -> torch.Generator:
         if req.generator is None:
             seed = req.sampling.seed if req.sampling.seed is not None else random.getrandbits(63)
-            req.generator = torch.Generator(device=self.device).manual_seed(seed)
+            req.generator = torch.Generator(device=self.device).manual_seed(seed % 2**63)
         return req.generator
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampleResult:

@@ -36,7 +36,20 @@ class FlushCacheResult(msgspec.Struct, tag="flush_cache_result", kw_only=True, f
     message: str = ""
 
 
-DetokenizerInput = TokenBatch | FlushCacheResult
+class EngineStats(msgspec.Struct, tag="stats_result", kw_only=True, frozen=True):
+    """Scheduler state for troubleshooting and for tests that check KV accounting."""
+
+    request_id: str
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_free_pages: int
+    num_total_pages: int
+    page_size: int
+    num_retractions: int
+    num_steps: int
+
+
+DetokenizerInput = TokenBatch | FlushCacheResult | EngineStats
 
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(DetokenizerInput)

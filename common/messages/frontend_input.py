@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from common.messages.detokenizer_input import FlushCacheResult
+from common.messages.detokenizer_input import EngineStats, FlushCacheResult
 from common.messages.sampling import FinishReason, TopLogprobs
 
 
@@ -27,7 +27,8 @@ class TextBatch(msgspec.Struct, tag="text", kw_only=True, frozen=True):
     deltas: list[TextDelta]
 
 
-FrontendInput = TextBatch | FlushCacheResult
+# Control replies pass through the detokenizer unchanged.
+FrontendInput = TextBatch | FlushCacheResult | EngineStats
 
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(FrontendInput)

@@ -27,7 +27,11 @@ class FlushCacheRequest(msgspec.Struct, tag="flush_cache", kw_only=True, frozen=
     request_id: str
 
 
-SchedulerInput = GenerateRequest | AbortRequest | FlushCacheRequest
+class StatsRequest(msgspec.Struct, tag="stats", kw_only=True, frozen=True):
+    request_id: str
+
+
+SchedulerInput = GenerateRequest | AbortRequest | FlushCacheRequest | StatsRequest
 
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(SchedulerInput)

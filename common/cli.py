@@ -1,0 +1,42 @@
+"""The `pdserve` command.
+
+    pdserve serve [flags]      one colocated service (HTTP front end, scheduler, detokenizer)
+    pdserve prepare-model      convert the embedded SmolLM2-135M-Instruct once; print its folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common.config import ConfigError, add_server_args, server_args_from_namespace
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run a colocated service (prefill and decode together)")
+    add_server_args(serve)
+    sub.add_parser("prepare-model", help="prepare the embedded default model and print its path")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.command == "prepare-model":
+        from common.model_store.default_model import ensure_default_model
+
+        print(ensure_default_model())
+        return 0
+    try:
+        args = server_args_from_namespace(ns)
+    except ConfigError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    from common.server.launch import serve
+
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The aiohttp application of one service: routes, error handling, health and admin.
+
+Every failure a client can cause becomes a JSON error from `errors.py` (4xx naming the
+field); an unexpected exception is logged and answered 500 without touching other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from aiohttp import web
+
+from common.messages.sampling import SamplingParams
+from common.messages.scheduler_input import GenerateRequest
+from common.server.context import ServerContext
+from common.server.errors import ApiError, decode_json, error_response
+from common.server.generate_api import handle_generate
+from common.server.openai_api import handle_chat, handle_completions, handle_models
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT = 20.0
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(exc.reason, None, exc.status)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response("internal server error", None, 500)
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app["ctx"]
+    if ctx.unhealthy_reason is not None:
+        return error_response(ctx.unhealthy_reason, None, 503)
+    if ctx.draining:
+        return error_response("shutting down", None, 503)
+    return web.json_response({"status": "ok"})
+
+
+async def handle_health_generate(request: web.Request) -> web.Response:
+    """Runs a one-token generation through the whole tree."""
+    ctx: ServerContext = request.app["ctx"]
+    ctx.check_accepting()
+    req = GenerateRequest(
+        rid=f"health-{ctx.new_rid()}",
+        input_ids=[ctx.tokenizer.bos_token_id or 0],
+        sampling=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+    )
+
+    async def run() -> None:
+        async for out in ctx.frontend.generate(req):
+            if out.finished and out.finish_reason and out.finish_reason.status:
+                raise ApiError(out.finish_reason.message or "generation failed", None, 503)
+
+    try:
+        await asyncio.wait_for(run(), HEALTH_GENERATE_TIMEOUT)
+    except asyncio.TimeoutError:
+        return error_response("health generation timed out", None, 503)
+    return web.json_response({"status": "ok"})
+
+
+async def handle_server_info(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app["ctx"]
+    info = ctx.args.to_dict()
+    info["model_path"] = ctx.model_path
+    info["served_model_name"] = ctx.model_name
+    info.update(msgspec.to_builtins(ctx.info))
+    info.update(ctx.extra_info)
+    try:
+        info["internal_states"] = [msgspec.to_builtins(await ctx.frontend.stats())]
+    except (RuntimeError, asyncio.TimeoutError) as exc:
+        info["internal_states"] = [{"error": str(exc)}]
+    info["version"] = _version()
+    return web.json_response(info)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def handle_model_info(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app["ctx"]
+    return web.json_response({
+        "model_path": ctx.model_path,
+        "served_model_name": ctx.model_name,
+        "architecture": ctx.info.architecture,
+        "is_generation": True,
+        "context_length": ctx.info.context_length,
+        "vocab_size": ctx.info.vocab_size,
+        "has_chat_template": ctx.tokenizer.has_chat_template,
+    })
+
+
+class AbortBody(msgspec.Struct, kw_only=True):
+    rid: str
+
+
+async def handle_abort(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app["ctx"]
+    body = decode_json(await request.read(), AbortBody)
+    if not ctx.frontend.is_inflight(body.rid):
+        raise ApiError(f"no request with rid {body.rid!r} is in flight", "rid", 404)
+    ctx.frontend.abort(body.rid)
+    return web.json_response({"status": "ok", "rid": body.rid})
+
+
+async def handle_flush_cache(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app["ctx"]
+    try:
+        result = await ctx.frontend.flush_cache()
+    except (RuntimeError, asyncio.TimeoutError) as exc:
+        return error_response(f"flush failed: {exc}", None, 503)
+    if not result.success:
+        return error_response(result.message, None, 409)
+    return web.json_response({"status": "ok", "message": result.message})
+
+
+def create_app(ctx: ServerContext) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    app["ctx"] = ctx
+    ctx.started = time.time()
+    app.router.add_post("/generate", handle_generate)
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/health_generate", handle_health_generate)
+    app.router.add_get("/get_server_info", handle_server_info)
+    app.router.add_get("/get_model_info", handle_model_info)
+    app.router.add_post("/abort_request", handle_abort)
+    app.router.add_post("/flush_cache", handle_flush_cache)
+    return app

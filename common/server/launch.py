@@ -1,0 +1,191 @@
+"""Start, supervise and stop one service tree (dp_size == 1):
+
+    launcher (this process): HTTP front end
+      +-- scheduler process     (spawned; dies with the launcher via PDEATHSIG)
+      +-- detokenizer process   (spawned; likewise)
+
+Start-up: spawn both children, wait for each one's ready message (or its error, which is
+printed and ends the launch), then open the HTTP port. While serving, a watchdog checks the
+children; if one dies, every in-flight request fails with 503, the reason is logged, and the
+service exits with status 1 (never a hang). SIGTERM/SIGINT: stop accepting (503), wait up to
+--graceful-shutdown-timeout for in-flight requests, abort the rest, stop the children, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from aiohttp import web
+
+from common.config import ServerArgs
+from common.engine.tokenizer import Tokenizer
+from common.messages import launch
+from common.server.context import ServerContext
+from common.server.detokenizer_process import run_detokenizer_process
+from common.server.frontend import FrontEnd
+from common.server.http_app import create_app
+from common.server.ipc import IpcPaths
+from common.server.process_utils import configure_logging
+from common.server.protocol import Limits
+from common.server.scheduler_process import run_scheduler_process
+
+logger = logging.getLogger("pdserve")
+
+STARTUP_TIMEOUT = 900.0
+WATCHDOG_INTERVAL = 0.2
+
+
+def resolve_model_path(args: ServerArgs) -> str:
+    if args.model_path is not None:
+        if not Path(args.model_path).is_dir():
+            raise FileNotFoundError(f"--model-path {args.model_path} is not a folder")
+        return args.model_path
+    from common.model_store.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+class ServiceTree:
+    def __init__(self, args: ServerArgs, model_path: str):
+        self.args = args
+        self.model_path = model_path
+        self.ipc = IpcPaths.create()
+        self.children: dict[str, BaseProcess] = {}
+        self.scheduler_info: launch.SchedulerReady | None = None
+
+    def start_children(self) -> None:
+        mp = multiprocessing.get_context("spawn")
+        pipes: dict[str, Connection] = {}
+        for name, target in (
+            ("scheduler", run_scheduler_process),
+            ("detokenizer", run_detokenizer_process),
+        ):
+            reader, writer = mp.Pipe(duplex=False)
+            proc = mp.Process(
+                target=target, args=(self.args, self.model_path, self.ipc, writer),
+                name=f"pdserve-{name}", daemon=True,
+            )
+            proc.start()
+            writer.close()
+            self.children[name] = proc
+            pipes[name] = reader
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        for name, reader in pipes.items():
+            message = self._wait_ready(name, reader, deadline)
+            if isinstance(message, launch.StartupFailed):
+                raise RuntimeError(f"{message.name} failed to start: {message.error}")
+            if isinstance(message, launch.SchedulerReady):
+                self.scheduler_info = message
+
+    def _wait_ready(self, name: str, reader: Connection, deadline: float) -> launch.LaunchMessage:
+        proc = self.children[name]
+        while time.monotonic() < deadline:
+            if reader.poll(0.1):
+                try:
+                    return launch.decoder.decode(reader.recv_bytes())
+                except EOFError:
+                    break
+            if not proc.is_alive():
+                break
+        proc.join(timeout=1)
+        raise RuntimeError(f"{name} process exited during start-up (exit code {proc.exitcode})")
+
+    def dead_child(self) -> str | None:
+        for name, proc in self.children.items():
+            if not proc.is_alive():
+                return f"{name} process (pid {proc.pid}) died with exit code {proc.exitcode}"
+        return None
+
+    def stop(self) -> None:
+        for proc in self.children.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.children.values():
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self.ipc.remove()
+
+
+async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
+    args, info = tree.args, tree.scheduler_info
+    frontend = FrontEnd(tree.ipc)
+    frontend.start()
+    ctx = ServerContext(
+        args=args,
+        model_path=tree.model_path,
+        model_name=args.served_model_name or Path(tree.model_path).name,
+        tokenizer=tokenizer,
+        frontend=frontend,
+        info=info,
+        limits=Limits(info.vocab_size, info.context_length, info.max_total_tokens),
+    )
+    runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    logger.info("pdserve ready: http://%s:%d (model %s)", args.host, args.port, ctx.model_name)
+
+    stop = asyncio.Event()
+    exit_code = 0
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watchdog() -> None:
+        nonlocal exit_code
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL)
+            reason = tree.dead_child()
+            if reason is not None:
+                logger.critical("%s; shutting the service down", reason)
+                ctx.unhealthy_reason = reason
+                frontend.fail_all(reason)
+                exit_code = 1
+                stop.set()
+                return
+
+    watch = asyncio.create_task(watchdog())
+    await stop.wait()
+    watch.cancel()
+    if exit_code == 0:
+        ctx.draining = True
+        deadline = time.monotonic() + args.graceful_shutdown_timeout
+        if frontend.num_inflight:
+            logger.info("draining %d in-flight requests", frontend.num_inflight)
+        while frontend.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if frontend.num_inflight:
+            logger.warning("aborting %d requests still running", frontend.num_inflight)
+            frontend.fail_all("the server is shutting down")
+            await asyncio.sleep(0.1)  # let handlers answer their clients
+    await runner.cleanup()
+    await frontend.close()
+    return exit_code
+
+
+def serve(args: ServerArgs) -> int:
+    configure_logging(args.log_level, "pdserve")
+    try:
+        model_path = resolve_model_path(args)
+    except (FileNotFoundError, RuntimeError) as exc:
+        logger.error("%s", exc)
+        return 2
+    tree = ServiceTree(args, model_path)
+    try:
+        tree.start_children()
+        tokenizer = Tokenizer.from_model_path(model_path)
+        return asyncio.run(serve_http(tree, tokenizer))
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        tree.stop()
+        logger.info("pdserve stopped")

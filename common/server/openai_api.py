@@ -1,0 +1,310 @@
+"""OpenAI-compatible routes: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+
+Each HTTP request fans out into one engine request per (prompt, choice); choice index is
+`prompt_index * n + choice`. With `n > 1` and a seed, choice c uses seed + c so samples differ
+but stay reproducible. Streams end with `data: [DONE]`; `stream_options.include_usage` adds a
+last chunk with empty choices and the usage.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from common.engine.tokenizer import ChatTemplateError
+from common.messages.scheduler_input import GenerateRequest
+from common.server import sse
+from common.server.context import ServerContext, abort_error, collect, stream
+from common.server.errors import ApiError, decode_json
+from common.server.frontend import RequestOutput
+from common.server.protocol import (
+    ChatBody,
+    CompletionBody,
+    SamplingParamsBody,
+    openai_sampling,
+    sampling_from_body,
+    token_id_lists,
+)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def _expand(
+    ctx: ServerContext,
+    prompts: list[list[int]],
+    params: SamplingParamsBody,
+    asked_max: int | None,
+    default_max: int | None,
+    max_param: str,
+    logprobs: int | None,
+    prompt_logprobs: bool,
+    rid: str | None,
+    stream: bool,
+) -> tuple[str, list[GenerateRequest]]:
+    base = rid or ctx.new_rid()
+    reqs = []
+    for p, ids in enumerate(prompts):
+        max_new = ctx.limits.resolve_max_new(len(ids), asked_max, default_max, max_param)
+        for c in range(params.n):
+            sampling = sampling_from_body(params, max_new, ctx.limits.vocab_size, "")
+            if params.n > 1 and sampling.seed is not None:
+                sampling = msgspec.structs.replace(sampling, seed=sampling.seed + c)
+            multi = len(prompts) > 1 or params.n > 1
+            reqs.append(
+                GenerateRequest(
+                    rid=f"{base}-{p * params.n + c}" if multi else base,
+                    input_ids=ids,
+                    sampling=sampling,
+                    stream=stream,
+                    return_logprob=logprobs is not None,
+                    logprob_start_len=0 if prompt_logprobs else -1,
+                    top_logprobs_num=logprobs or 0,
+                )
+            )
+    return base, reqs
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    if out.finish_reason is None:
+        return None
+    return out.finish_reason.type
+
+
+def _usage(outs: list[RequestOutput], n: int) -> dict:
+    prompt = sum(o.prompt_tokens for o in outs[::n])
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _token_str(ctx: ServerContext, token: int) -> str:
+    return ctx.tokenizer.decode([token], skip_special_tokens=False)
+
+
+# ---- completions ---------------------------------------------------------------------------
+def _completion_prompts(ctx: ServerContext, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [ctx.tokenizer.encode(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [ctx.tokenizer.encode(p) for p in prompt]
+    if isinstance(prompt, list) and prompt:
+        return token_id_lists(prompt, "prompt")
+    raise ApiError(
+        "prompt must be a non-empty string, list of strings, or list of token ids", "prompt"
+    )
+
+
+def _completion_logprobs(ctx: ServerContext, out: RequestOutput, first: int, k: int,
+                         echo_ids: list[int] | None, text_offset: int) -> dict:
+    ids, lps, tops = [], [], []
+    if echo_ids is not None:
+        ids += echo_ids
+        lps += list(out.input_logprobs)
+        tops += [t for t in out.input_top_logprobs]
+    ids += out.output_ids[first:]
+    lps += out.output_logprobs[first:]
+    tops += out.output_top_logprobs[first:]
+    tokens = [_token_str(ctx, t) for t in ids]
+    offsets, pos = [], text_offset
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    top_maps = [
+        None if not t.token_ids else
+        {_token_str(ctx, tid): lp for tid, lp in zip(t.token_ids, t.logprobs)}
+        for t in tops
+    ] if k else None
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_maps,
+            "text_offset": offsets}
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    ctx: ServerContext = request.app["ctx"]
+    ctx.check_accepting()
+    body = decode_json(await request.read(), CompletionBody)
+    if body.suffix:
+        raise ApiError("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError("best_of must be equal to n (or omitted)", "best_of")
+    prompts = _completion_prompts(ctx, body.prompt)
+    for i, ids in enumerate(prompts):
+        ctx.limits.check_prompt(ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+    params = openai_sampling(body)
+    base, reqs = _expand(
+        ctx, prompts, params, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens",
+        body.logprobs, body.echo and body.logprobs is not None, body.rid, body.stream,
+    )
+    ctx.check_rids_free(reqs)
+    created = int(time.time())
+    cid = f"cmpl-{base}"
+    echo_texts = [ctx.tokenizer.decode(r.input_ids, skip_special_tokens=False) if body.echo
+                  else "" for r in reqs]
+
+    def choice(i: int, out: RequestOutput, text: str, first: int, with_prompt: bool) -> dict:
+        logprobs = None
+        if body.logprobs is not None:
+            echo_ids = reqs[i].input_ids if (with_prompt and body.echo) else None
+            offset = 0 if with_prompt else len(echo_texts[i]) + len(out.text) - len(text)
+            logprobs = _completion_logprobs(ctx, out, first, body.logprobs, echo_ids, offset)
+        return {"index": i, "text": text, "logprobs": logprobs,
+                "finish_reason": _finish_reason(out)}
+
+    if not body.stream:
+        outs = await collect(ctx, reqs)
+        for out in outs:
+            if (error := abort_error(out)) is not None:
+                return error.response()
+        return web.json_response({
+            "id": cid, "object": "text_completion", "created": created, "model": ctx.model_name,
+            "choices": [choice(i, o, echo_texts[i] + o.text, 0, True) for i, o in enumerate(outs)],
+            "usage": _usage(outs, params.n),
+        })
+
+    response = await sse.open_stream(request)
+    sent_text = [0] * len(reqs)
+    sent_ids = [0] * len(reqs)
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in stream(ctx, reqs):
+        if (error := abort_error(out)) is not None:
+            await sse.send_event(response, error.body())
+            break
+        delta = out.text[sent_text[i]:]
+        first_chunk = sent_ids[i] == 0 and sent_text[i] == 0
+        if body.echo and first_chunk:
+            delta = echo_texts[i] + delta
+        if delta or out.finished or len(out.output_ids) > sent_ids[i]:
+            c = choice(i, out, delta, sent_ids[i], first_chunk)
+            await sse.send_event(response, {"id": cid, "object": "text_completion",
+                                            "created": created, "model": ctx.model_name,
+                                            "choices": [c]})
+        sent_text[i], sent_ids[i] = len(out.text), len(out.output_ids)
+        if out.finished:
+            finals[i] = out
+    else:
+        if body.stream_options is not None and body.stream_options.include_usage:
+            outs = [finals[i] for i in range(len(reqs))]
+            await sse.send_event(response, {"id": cid, "object": "text_completion",
+                                            "created": created, "model": ctx.model_name,
+                                            "choices": [], "usage": _usage(outs, params.n)})
+    await sse.send_done(response)
+    return response
+
+
+# ---- chat ------------------------------------------------------------------------------------
+def _chat_prompt(ctx: ServerContext, body: ChatBody) -> list[int]:
+    if not body.messages:
+        raise ApiError("messages must not be empty", "messages")
+    if body.tools:
+        raise ApiError("tools are not supported by this server", "tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise ApiError("only response_format type 'text' is supported", "response_format")
+    messages = [msgspec.to_builtins(m) for m in body.messages]
+    for m in messages:
+        if m.get("name") is None:
+            m.pop("name", None)
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ChatTemplateError as exc:
+        raise ApiError(f"cannot render the chat template: {exc}", "messages") from None
+    ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    ctx.limits.check_prompt(ids, "messages")
+    return ids
+
+
+def _chat_logprobs(ctx: ServerContext, out: RequestOutput, first: int, last: int,
+                   k: int) -> dict:
+    content = []
+    for i in range(first, last):
+        tok = _token_str(ctx, out.output_ids[i])
+        top = out.output_top_logprobs[i] if k else None
+        content.append({
+            "token": tok, "logprob": out.output_logprobs[i], "bytes": list(tok.encode()),
+            "top_logprobs": [] if top is None else [
+                {"token": (s := _token_str(ctx, t)), "logprob": lp, "bytes": list(s.encode())}
+                for t, lp in zip(top.token_ids, top.logprobs)
+            ],
+        })
+    return {"content": content}
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    ctx: ServerContext = request.app["ctx"]
+    ctx.check_accepting()
+    body = decode_json(await request.read(), ChatBody)
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
+    ids = _chat_prompt(ctx, body)
+    params = openai_sampling(body)
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    base, reqs = _expand(
+        ctx, [ids], params, asked, None, param, logprobs, False, body.rid, body.stream
+    )
+    ctx.check_rids_free(reqs)
+    created = int(time.time())
+    cid = f"chatcmpl-{base}"
+    k = body.top_logprobs or 0
+
+    if not body.stream:
+        outs = await collect(ctx, reqs)
+        for out in outs:
+            if (error := abort_error(out)) is not None:
+                return error.response()
+        choices = [{
+            "index": i,
+            "message": {"role": "assistant", "content": o.text},
+            "logprobs": _chat_logprobs(ctx, o, 0, len(o.output_ids), k) if body.logprobs
+            else None,
+            "finish_reason": _finish_reason(o),
+        } for i, o in enumerate(outs)]
+        return web.json_response({
+            "id": cid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+            "choices": choices, "usage": _usage(outs, params.n),
+        })
+
+    def chunk(choices: list, **extra) -> dict:
+        return {"id": cid, "object": "chat.completion.chunk", "created": created,
+                "model": ctx.model_name, "choices": choices, **extra}
+
+    response = await sse.open_stream(request)
+    for i in range(len(reqs)):
+        await sse.send_event(response, chunk([{"index": i, "delta": {"role": "assistant",
+                                                                     "content": ""},
+                                               "logprobs": None, "finish_reason": None}]))
+    sent_text = [0] * len(reqs)
+    sent_ids = [0] * len(reqs)
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in stream(ctx, reqs):
+        if (error := abort_error(out)) is not None:
+            await sse.send_event(response, error.body())
+            break
+        delta = out.text[sent_text[i]:]
+        if delta or len(out.output_ids) > sent_ids[i] or out.finished:
+            lp = (_chat_logprobs(ctx, out, sent_ids[i], len(out.output_ids), k)
+                  if body.logprobs else None)
+            if delta or lp:
+                await sse.send_event(response, chunk([{"index": i, "delta": {"content": delta},
+                                                       "logprobs": lp, "finish_reason": None}]))
+            if out.finished:
+                await sse.send_event(response, chunk([{"index": i, "delta": {}, "logprobs": None,
+                                                       "finish_reason": _finish_reason(out)}]))
+        sent_text[i], sent_ids[i] = len(out.text), len(out.output_ids)
+        if out.finished:
+            finals[i] = out
+    else:
+        if body.stream_options is not None and body.stream_options.include_usage:
+            outs = [finals[i] for i in range(len(reqs))]
+            await sse.send_event(response, chunk([], usage=_usage(outs, params.n)))
+    await sse.send_done(response)
+    return response
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    ctx: ServerContext = request.app["ctx"]
+    return web.json_response({"object": "list", "data": [{
+        "id": ctx.model_name, "object": "model", "created": int(ctx.started),
+        "owned_by": "pdserve", "root": ctx.model_path, "max_model_len": ctx.limits.context_length,
+    }]})
