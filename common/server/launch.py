@@ -127,6 +127,7 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
         frontend=frontend,
         info=info,
         limits=Limits(info.vocab_size, info.context_length, info.max_total_tokens),
+        extra_info={"process_pids": {name: p.pid for name, p in tree.children.items()}},
     )
     runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None)
     await runner.setup()
