@@ -1,0 +1,1 @@
+"""In-engine data parallelism: the dispatch policies (`dispatch`) and the controller process."""

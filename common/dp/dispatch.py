@@ -1,0 +1,193 @@
+"""Choosing the dp_rank of each tokenized request (SPEC section 2): pure logic, no sockets.
+
+Slots: `num_slots` worker slots (`--max-ep-size`), of which `active` are started; each slot is
+ACTIVE, RESERVED (not started) or UNAVAILABLE (its scheduler died). Priority 0, for every
+method: a request's `routed_dp_rank` goes to that slot and changes nothing else (no round-robin
+advance, no budget change).
+
+    round_robin            slot = active[counter % len(active)]; unavailable slots are skipped;
+                           a full lap of unavailable slots is a 503
+    follow_bootstrap_room  slot = room % num_slots (reserved slots count: decode computes the
+                           same modulus from the slot count the prefill topology reports)
+    total_requests         argmin(running + waiting), ties to the lowest slot; then +1 request
+    total_tokens           argmin over (tokens, requests); then +len(input_ids) tokens, +1
+
+Load-aware budget: before a dispatch, at most once per `refresh_interval`, the budget is reset
+from the latest snapshots; a snapshot whose timestamp did not change since the last refresh is
+ignored. Between refreshes the speculative increments spread a burst over the ranks (refreshing
+on every request would send a whole burst to the rank the board still shows lightest). A batch
+refreshes once, then dispatches every item without refreshing.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from common.loads.snapshot import LoadSnapshot
+
+METHODS = ("round_robin", "follow_bootstrap_room", "total_requests", "total_tokens")
+LOAD_AWARE = ("total_requests", "total_tokens")
+
+
+class SlotState(enum.Enum):
+    ACTIVE = "active"
+    RESERVED = "reserved"
+    UNAVAILABLE = "unavailable"
+
+
+class DispatchError(Exception):
+    """A per-request failure: goes back to that client only."""
+
+    def __init__(self, message: str, status: int, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchItem:
+    num_tokens: int
+    routed_dp_rank: int | None = None
+    bootstrap_room: int | None = None
+
+
+def resolve_method(method: str, disaggregation_mode: str) -> tuple[str, str | None]:
+    """The method in force and, when the flag was rewritten, a warning explaining why."""
+    if method == "auto":
+        return ("follow_bootstrap_room" if disaggregation_mode == "prefill" else "round_robin"), None
+    if disaggregation_mode == "prefill" and method == "round_robin":
+        return "follow_bootstrap_room", (
+            "--load-balance-method round_robin on a prefill service breaks the PD rendezvous "
+            "(decode finds prefill ranks by bootstrap_room % dp_size); using "
+            "follow_bootstrap_room instead"
+        )
+    if method not in METHODS:
+        raise ValueError(f"--load-balance-method must be auto or one of {METHODS}")
+    return method, None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        method: str,
+        num_slots: int,
+        num_active: int,
+        read_loads: Callable[[], Sequence[LoadSnapshot | None]] | None = None,
+        refresh_interval: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if method not in METHODS:
+            raise ValueError(f"unknown dispatch method {method!r}")
+        if not 1 <= num_active <= num_slots:
+            raise ValueError("need 1 <= active workers <= slots")
+        self.method = method
+        self.num_slots = num_slots
+        self.states = [SlotState.ACTIVE] * num_active + [SlotState.RESERVED] * (
+            num_slots - num_active
+        )
+        self.rr_counter = 0
+        self.read_loads = read_loads
+        self.refresh_interval = refresh_interval
+        self.clock = clock
+        self.requests = [0] * num_slots
+        self.tokens = [0] * num_slots
+        self._last_refresh = float("-inf")
+        self._seen_timestamps: list[float | None] = [None] * num_slots
+
+    # ---- worker set --------------------------------------------------------------------
+    @property
+    def active(self) -> list[int]:
+        """Slots that take round-robin turns: started ones, dead or alive."""
+        return [i for i, s in enumerate(self.states) if s is not SlotState.RESERVED]
+
+    def set_state(self, slot: int, state: SlotState) -> None:
+        self.states[slot] = state
+
+    def is_available(self, slot: int) -> bool:
+        return self.states[slot] is SlotState.ACTIVE
+
+    # ---- dispatch ----------------------------------------------------------------------
+    def dispatch(self, item: DispatchItem) -> int:
+        return self.dispatch_batch([item])[0]
+
+    def dispatch_batch(self, items: Sequence[DispatchItem]) -> list[int]:
+        """One rank per item; raises DispatchError for the first item that cannot be placed."""
+        if self.method in LOAD_AWARE and any(i.routed_dp_rank is None for i in items):
+            self.maybe_refresh()
+        return [self._dispatch_one(item) for item in items]
+
+    def _dispatch_one(self, item: DispatchItem) -> int:
+        if item.routed_dp_rank is not None:
+            return self._routed(item.routed_dp_rank)
+        if self.method == "round_robin":
+            return self._round_robin()
+        if self.method == "follow_bootstrap_room":
+            return self._follow_room(item.bootstrap_room)
+        return self._least_loaded(item.num_tokens)
+
+    def _routed(self, rank: int) -> int:
+        if not 0 <= rank < self.num_slots:
+            raise DispatchError(
+                f"routed_dp_rank {rank} is out of range [0, {self.num_slots})", 400,
+                "routed_dp_rank",
+            )
+        if not self.is_available(rank):
+            raise DispatchError(
+                f"routed_dp_rank {rank} is {self.states[rank].value}", 503, "routed_dp_rank"
+            )
+        return rank
+
+    def _round_robin(self) -> int:
+        active = self.active
+        for _ in range(len(active)):
+            slot = active[self.rr_counter % len(active)]
+            self.rr_counter = (self.rr_counter + 1) % len(active)
+            if self.is_available(slot):
+                return slot
+        raise DispatchError("no DP worker is available", 503)
+
+    def _follow_room(self, room: int | None) -> int:
+        if room is None:
+            raise DispatchError(
+                "this prefill service pins requests by bootstrap_room, and the request has "
+                "none: send prefill traffic through the router", 400, "bootstrap_room",
+            )
+        slot = room % self.num_slots
+        if not self.is_available(slot):
+            raise DispatchError(
+                f"bootstrap_room {room} maps to DP rank {slot}, which is "
+                f"{self.states[slot].value}", 503, "bootstrap_room",
+            )
+        return slot
+
+    def _least_loaded(self, num_tokens: int) -> int:
+        candidates = [i for i in range(self.num_slots) if self.is_available(i)]
+        if not candidates:
+            raise DispatchError("no DP worker is available", 503)
+        if self.method == "total_requests":
+            slot = min(candidates, key=lambda i: (self.requests[i], i))
+        else:
+            slot = min(candidates, key=lambda i: (self.tokens[i], self.requests[i], i))
+        self.requests[slot] += 1
+        self.tokens[slot] += num_tokens
+        return slot
+
+    # ---- budget ------------------------------------------------------------------------
+    def maybe_refresh(self) -> bool:
+        now = self.clock()
+        if self.read_loads is None or now - self._last_refresh < self.refresh_interval:
+            return False
+        self._last_refresh = now
+        for snap in self.read_loads():
+            if snap is None or not 0 <= snap.dp_rank < self.num_slots:
+                continue
+            if snap.timestamp == self._seen_timestamps[snap.dp_rank]:
+                continue  # nothing new: keep the speculative increments
+            self._seen_timestamps[snap.dp_rank] = snap.timestamp
+            self.requests[snap.dp_rank] = snap.num_requests
+            self.tokens[snap.dp_rank] = snap.num_total_tokens
+        return True
