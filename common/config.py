@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_BALANCE_METHODS = (
+    "auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens",
+)
 
 
 class ConfigError(ValueError):
@@ -34,6 +37,11 @@ class ServerArgs:
     chunked_prefill_size: int = 512
     context_length: int | None = None
     disaggregation_mode: str = "null"
+    dp_size: int = 1
+    max_ep_size: int | None = None
+    load_balance_method: str = "auto"
+    load_refresh_interval: float = 0.02
+    load_publish_steps: int = 8
     random_seed: int = 0
     graceful_shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -59,12 +67,26 @@ class ServerArgs:
              "--context-length must be >= 2"),
             (self.disaggregation_mode, self.disaggregation_mode in DISAGGREGATION_MODES,
              f"--disaggregation-mode must be one of {DISAGGREGATION_MODES}"),
+            (self.dp_size, self.dp_size >= 1, "--dp-size must be >= 1"),
+            (self.max_ep_size, self.max_ep_size is None or self.max_ep_size >= self.dp_size,
+             "--max-ep-size must be >= --dp-size"),
+            (self.load_balance_method, self.load_balance_method in LOAD_BALANCE_METHODS,
+             f"--load-balance-method must be one of {LOAD_BALANCE_METHODS}"),
+            (self.load_refresh_interval, self.load_refresh_interval >= 0,
+             "--load-refresh-interval must be >= 0"),
+            (self.load_publish_steps, self.load_publish_steps >= 1,
+             "--load-publish-steps must be >= 1"),
             (self.graceful_shutdown_timeout, self.graceful_shutdown_timeout >= 0,
              "--graceful-shutdown-timeout must be >= 0"),
         ]
         for value, ok, message in checks:
             if not ok:
                 raise ConfigError(f"{message} (got {value!r})")
+
+    @property
+    def num_dp_slots(self) -> int:
+        """Worker slots of the DP controller: --max-ep-size, of which --dp-size start active."""
+        return self.max_ep_size or self.dp_size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,6 +115,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     a("--context-length", type=int, default=d.context_length,
       help="max prompt + output tokens (default: the model's max_position_embeddings)")
     a("--disaggregation-mode", default=d.disaggregation_mode, choices=DISAGGREGATION_MODES)
+    a("--dp-size", type=int, default=d.dp_size,
+      help="data-parallel scheduler processes; > 1 adds a DataParallelController")
+    a("--max-ep-size", type=int, default=d.max_ep_size,
+      help="DP worker slots (>= --dp-size); slots beyond --dp-size start reserved and can be "
+           "activated at run time")
+    a("--load-balance-method", default=d.load_balance_method, choices=LOAD_BALANCE_METHODS,
+      help="how the DP controller picks a rank; auto: round_robin, or follow_bootstrap_room "
+           "on prefill")
+    a("--load-refresh-interval", type=float, default=d.load_refresh_interval,
+      help="seconds between load-budget refreshes of total_requests/total_tokens (0: every "
+           "request)")
+    a("--load-publish-steps", type=int, default=d.load_publish_steps,
+      help="a rank publishes its load snapshot at least every N steps (and after every "
+           "prefill batch, and when idle)")
     a("--random-seed", type=int, default=d.random_seed)
     a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
       help="seconds SIGTERM waits for in-flight requests before aborting them")

@@ -16,7 +16,7 @@ import pytest
 
 from server_utils import ServerProcess, http_json
 
-LONG_TOKENS = 2000
+LONG_TOKENS = 300
 LONG = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": LONG_TOKENS,
                                                     "temperature": 0, "ignore_eos": True}}
 LONG_FLAGS = ("--max-total-tokens", "4096", "--context-length", "4096")
@@ -94,19 +94,19 @@ def test_dead_scheduler_takes_the_service_down(tiny_llama_dir):
         thread = threading.Thread(target=long_request)
         thread.start()
         wait_running(server)
-        os.kill(pids["scheduler"], signal.SIGKILL)
+        os.kill(pids["scheduler-0"], signal.SIGKILL)
         thread.join(20)
         assert not thread.is_alive(), "the in-flight request hung"
         status, body = result["reply"]
-        assert status == 503 and "scheduler process" in body["error"]["message"]
+        assert status == 503 and "scheduler-0 process" in body["error"]["message"]
         server.proc.wait(20)
         assert server.proc.returncode == 1
-        assert "scheduler process" in server.log_text() and "died" in server.log_text()
+        assert "scheduler-0 process" in server.log_text() and "died" in server.log_text()
         assert all_gone(children)
 
 
 def test_sigterm_drains_in_flight_requests(tiny_llama_dir):
-    server = ServerProcess(tiny_llama_dir, *LONG_FLAGS)
+    server = ServerProcess(tiny_llama_dir, *LONG_FLAGS, "--graceful-shutdown-timeout", "120")
     with server:
         children = child_pids(server)
         result: dict = {}

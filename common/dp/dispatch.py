@@ -116,9 +116,23 @@ class Dispatcher:
 
     def dispatch_batch(self, items: Sequence[DispatchItem]) -> list[int]:
         """One rank per item; raises DispatchError for the first item that cannot be placed."""
+        ranks = self.place_batch(items)
+        for r in ranks:
+            if isinstance(r, DispatchError):
+                raise r
+        return ranks
+
+    def place_batch(self, items: Sequence[DispatchItem]) -> list[int | DispatchError]:
+        """One rank, or the error for that item alone, per item; one budget refresh."""
         if self.method in LOAD_AWARE and any(i.routed_dp_rank is None for i in items):
             self.maybe_refresh()
-        return [self._dispatch_one(item) for item in items]
+        out: list[int | DispatchError] = []
+        for item in items:
+            try:
+                out.append(self._dispatch_one(item))
+            except DispatchError as exc:
+                out.append(exc)
+        return out
 
     def _dispatch_one(self, item: DispatchItem) -> int:
         if item.routed_dp_rank is not None:

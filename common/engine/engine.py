@@ -13,6 +13,7 @@ the detokenizer trims them from the text.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -23,6 +24,7 @@ from common.engine.runner import ModelRunner, Segment, SegmentLogits
 from common.engine.sampler import Sampler, top_logprobs_rows
 from common.engine.scheduler import ScheduledBatch, Scheduler
 from common.engine.tokenizer import Tokenizer
+from common.loads.snapshot import LoadSnapshot
 from common.messages.detokenizer_input import EngineStats, TokenDelta
 from common.messages.sampling import FinishReason
 from common.messages.scheduler_input import GenerateRequest
@@ -31,8 +33,15 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, args: ServerArgs, loaded: LoadedModel, tokenizer: Tokenizer | None):
+    def __init__(
+        self,
+        args: ServerArgs,
+        loaded: LoadedModel,
+        tokenizer: Tokenizer | None,
+        dp_rank: int = 0,
+    ):
         self.args = args
+        self.dp_rank = dp_rank
         self.loaded = loaded
         self.pool = loaded.pool
         self.context_length = loaded.context_length
@@ -51,6 +60,7 @@ class EngineCore:
         self.sampler = Sampler(loaded.config.vocab_size, sorted(self.eos_token_ids), loaded.device)
         self.reqs: dict[str, Req] = {}
         self.num_steps = 0
+        self.last_step_was_extend = False
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, msg: GenerateRequest) -> list[TokenDelta]:
@@ -95,6 +105,7 @@ class EngineCore:
         allocator = self.pool.allocator
         return EngineStats(
             request_id=request_id,
+            dp_rank=self.dp_rank,
             num_running_reqs=len(self.scheduler.running),
             num_waiting_reqs=len(self.scheduler.waiting),
             num_free_pages=allocator.num_free_pages,
@@ -102,6 +113,24 @@ class EngineCore:
             page_size=self.pool.page_size,
             num_retractions=self.scheduler.num_retractions,
             num_steps=self.num_steps,
+        )
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """SPEC section 3, for a colocated rank: no KV is ever in flight, so active == total."""
+        sched, allocator = self.scheduler, self.pool.allocator
+        used = allocator.num_used_pages * self.pool.page_size
+        to_compute = sum(len(r.fill_ids) - r.num_computed for r in sched.waiting)
+        capacity = self.pool.capacity_tokens
+        return LoadSnapshot(
+            dp_rank=self.dp_rank,
+            timestamp=time.time(),
+            num_running_reqs=len(sched.running),
+            num_waiting_reqs=len(sched.waiting),
+            num_used_tokens=used,
+            num_total_tokens=used + to_compute,
+            num_active_tokens=used + to_compute,
+            max_total_num_tokens=capacity,
+            token_usage=used / capacity,
         )
 
     def has_work(self) -> bool:
@@ -119,6 +148,7 @@ class EngineCore:
         self, batch: ScheduledBatch, logits: torch.Tensor, where: list[SegmentLogits | None]
     ) -> list[TokenDelta]:
         self.num_steps += 1
+        self.last_step_was_extend = batch.is_extend
         if batch.is_extend:
             self.scheduler.on_extend_done(batch)
         else:
@@ -217,4 +247,5 @@ class EngineCore:
             input_logprobs=req.input_logprobs[start:] if first else [],
             input_top_logprobs=req.input_top_logprobs[start:] if first else [],
             input_logprob_start=start,
+            dp_rank=self.dp_rank,
         )

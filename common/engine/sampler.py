@@ -87,7 +87,10 @@ class Sampler:
         logits = logits.clone()
         for i in needs:
             self._adjust_row(logits[i], reqs[i])
-        return logits
+        # Extreme penalties or biases must not turn into NaN probabilities downstream.
+        return torch.nan_to_num(
+            logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf")
+        )
 
     def _adjust_row(self, row: torch.Tensor, req: Req) -> None:
         sp = req.sampling

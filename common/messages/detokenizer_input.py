@@ -24,6 +24,7 @@ class TokenDelta(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     input_logprobs: list[float | None] = []
     input_top_logprobs: list[TopLogprobs] = []
     input_logprob_start: int = 0
+    dp_rank: int = 0
 
 
 class TokenBatch(msgspec.Struct, tag="tokens", kw_only=True, frozen=True):
@@ -32,6 +33,7 @@ class TokenBatch(msgspec.Struct, tag="tokens", kw_only=True, frozen=True):
 
 class FlushCacheResult(msgspec.Struct, tag="flush_cache_result", kw_only=True, frozen=True):
     request_id: str
+    dp_rank: int
     success: bool
     message: str = ""
 
@@ -40,6 +42,7 @@ class EngineStats(msgspec.Struct, tag="stats_result", kw_only=True, frozen=True)
     """Scheduler state for troubleshooting and for tests that check KV accounting."""
 
     request_id: str
+    dp_rank: int
     num_running_reqs: int
     num_waiting_reqs: int
     num_free_pages: int

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from common.config import ServerArgs
@@ -76,10 +77,14 @@ async def collect(ctx: ServerContext, reqs: list[GenerateRequest]) -> list[Reque
 async def stream(
     ctx: ServerContext, reqs: list[GenerateRequest]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yields (index, cumulative output) as any of the requests progresses."""
+    """Yields (index, cumulative output) as any of the requests progresses.
+
+    Use it under `contextlib.aclosing`: closing it early (client gone, error chunk) aborts the
+    requests still running at once instead of whenever the generator is garbage-collected."""
     if len(reqs) == 1:
-        async for out in ctx.frontend.generate(reqs[0]):
-            yield 0, out
+        async with aclosing(ctx.frontend.generate(reqs[0])) as outs:
+            async for out in outs:
+                yield 0, out
         return
     queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 

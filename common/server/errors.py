@@ -21,6 +21,8 @@ _ERROR_TYPES = {
     503: "service_unavailable",
 }
 _PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+# msgspec names an unknown or missing field in the message, and the path only up to its object.
+_FIELD = re.compile(r"^Object (?:contains unknown|missing required) field `(?P<name>[^`]*)`")
 
 
 class ApiError(Exception):
@@ -57,8 +59,9 @@ def error_response(message: str, param: str | None = None, status: int = 400) ->
 
 
 def field_path(prefix: str, msgspec_path: str) -> str:
-    """`$.a[0].b` from msgspec, under `prefix` -> `prefix.a[0].b`."""
-    path = msgspec_path.lstrip(".")
+    """`$.a[0].b` from msgspec, under `prefix` -> `prefix.a[0].b`; a dict value (`[...]`)
+    is named by its dict."""
+    path = msgspec_path.replace("[...]", "").lstrip(".")
     if not prefix:
         return path
     if not path:
@@ -69,10 +72,15 @@ def field_path(prefix: str, msgspec_path: str) -> str:
 def from_validation_error(exc: msgspec.ValidationError, prefix: str = "") -> ApiError:
     text = str(exc)
     match = _PATH.search(text)
-    if match is None:
-        return ApiError(text, prefix or None)
-    param = field_path(prefix, match.group("path"))
-    return ApiError(f"{text[: match.start()]} (field '{param}')", param)
+    path = match.group("path") if match is not None else ""
+    message = text[: match.start()] if match is not None else text
+    field = _FIELD.match(message)
+    if field is not None:
+        path = f"{path}.{field.group('name')}"
+    if not path and not prefix:
+        return ApiError(message, None)
+    param = field_path(prefix, path)
+    return ApiError(f"{message} (field '{param}')", param)
 
 
 def convert(obj: object, type_: type, prefix: str = ""):

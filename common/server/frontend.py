@@ -83,10 +83,11 @@ class _State:
 
 
 class FrontEnd:
-    def __init__(self, ipc: IpcPaths):
+    def __init__(self, ipc: IpcPaths, request_target: str):
         self.ctx = zmq.asyncio.Context()
+        # The DP controller's input, or the only scheduler's when there is no controller.
         self.to_scheduler = self.ctx.socket(zmq.PUSH)
-        self.to_scheduler.connect(ipc.scheduler_input)
+        self.to_scheduler.connect(request_target)
         self.from_detokenizer = self.ctx.socket(zmq.PULL)
         self.from_detokenizer.bind(ipc.frontend_input)
         self.states: dict[str, _State] = {}
@@ -113,6 +114,15 @@ class FrontEnd:
     # ---- generation -------------------------------------------------------------------
     async def generate(self, req: scheduler_input.GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yields the cumulative output after each update; the last one has `finished`."""
+        if req.rid in self.states:
+            # Two requests raced past the HTTP layer's check with the same rid: refuse this one
+            # without touching the other's state (overwriting it would strand that consumer).
+            dup = RequestOutput(rid=req.rid, prompt_tokens=len(req.input_ids))
+            dup.finish(FinishReason(
+                type="abort", message=f"rid {req.rid!r} is already in flight", status=409
+            ))
+            yield dup
+            return
         state = _State(RequestOutput(rid=req.rid, prompt_tokens=len(req.input_ids)))
         self.states[req.rid] = state
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import msgspec
 from aiohttp import web
 
@@ -48,6 +50,12 @@ def build_requests(ctx: ServerContext, body: GenerateBody) -> tuple[list[Generat
     for i, ids in enumerate(prompts):
         item = f"{field}[{i}]" if is_batch else field
         ctx.limits.check_prompt(ids, item)
+        if body.return_logprob and body.logprob_start_len >= len(ids):
+            raise ApiError(
+                f"logprob_start_len={body.logprob_start_len} must be less than the prompt's "
+                f"{len(ids)} tokens ({item})",
+                "logprob_start_len",
+            )
         prefix = f"sampling_params[{i}]." if isinstance(raw_params, list) else "sampling_params."
         params = sampling_body(
             raw_params[i] if isinstance(raw_params, list) else raw_params, prefix.rstrip(".")
@@ -136,13 +144,14 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         results = [response_json(ctx, o, body, r.input_ids) for o, r in zip(outs, reqs)]
         return web.json_response(results if is_batch else results[0])
     response = await sse.open_stream(request)
-    async for i, out in stream(ctx, reqs):
-        if (error := abort_error(out)) is not None:
-            await sse.send_event(response, error.body())
-            break
-        chunk = response_json(ctx, out, body, reqs[i].input_ids)
-        if is_batch:
-            chunk["index"] = i
-        await sse.send_event(response, chunk)
+    async with aclosing(stream(ctx, reqs)) as events:
+        async for i, out in events:
+            if (error := abort_error(out)) is not None:
+                await sse.send_event(response, error.body())
+                break
+            chunk = response_json(ctx, out, body, reqs[i].input_ids)
+            if is_batch:
+                chunk["index"] = i
+            await sse.send_event(response, chunk)
     await sse.send_done(response)
     return response

@@ -78,7 +78,9 @@ async def handle_server_info(request: web.Request) -> web.Response:
     info = ctx.args.to_dict()
     info["model_path"] = ctx.model_path
     info["served_model_name"] = ctx.model_name
-    info.update(msgspec.to_builtins(ctx.info))
+    resolved = msgspec.to_builtins(ctx.info)
+    resolved.pop("type", None)  # the message tag, not a value
+    info.update(resolved)
     info.update(ctx.extra_info)
     try:
         info["internal_states"] = [msgspec.to_builtins(await ctx.frontend.stats())]

@@ -11,19 +11,23 @@ from pathlib import Path
 @dataclass(frozen=True, slots=True)
 class IpcPaths:
     folder: str
-    scheduler_input: str  # front end -> scheduler
-    detokenizer_input: str  # scheduler -> detokenizer
-    frontend_input: str  # detokenizer -> front end
+    controller_input: str  # front end -> DP controller (dp_size > 1)
+    detokenizer_input: str  # schedulers -> detokenizer
+    frontend_input: str  # detokenizer and controller -> front end
 
     @classmethod
     def create(cls) -> IpcPaths:
         folder = tempfile.mkdtemp(prefix="pdserve-")
         return cls(
             folder=folder,
-            scheduler_input=f"ipc://{folder}/scheduler",
+            controller_input=f"ipc://{folder}/controller",
             detokenizer_input=f"ipc://{folder}/detokenizer",
             frontend_input=f"ipc://{folder}/frontend",
         )
+
+    def scheduler_input_of(self, dp_rank: int) -> str:
+        """front end (dp_size 1) or DP controller -> the scheduler of one rank"""
+        return f"ipc://{self.folder}/scheduler-{dp_rank}"
 
     def remove(self) -> None:
         if Path(self.folder).exists():

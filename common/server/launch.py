@@ -35,6 +35,9 @@ from common.server.ipc import IpcPaths
 from common.server.process_utils import configure_logging
 from common.server.protocol import Limits
 from common.server.scheduler_process import run_scheduler_process
+from common.dp.controller import run_controller_process
+from common.dp.dispatch import resolve_method
+from common.loads.board import LoadBoard
 
 logger = logging.getLogger("pdserve")
 
@@ -53,36 +56,71 @@ def resolve_model_path(args: ServerArgs) -> str:
 
 
 class ServiceTree:
+    """The child processes of one service and the load board they share.
+
+    Children: scheduler-k for each started DP rank k, the detokenizer, and with more than one
+    DP slot the dp-controller. The launcher owns the board file and removes it on stop.
+    """
+
     def __init__(self, args: ServerArgs, model_path: str):
         self.args = args
         self.model_path = model_path
+        self.method, warning = resolve_method(args.load_balance_method, args.disaggregation_mode)
+        if warning:
+            logger.warning("%s", warning)
+        self.uses_controller = args.num_dp_slots > 1
         self.ipc = IpcPaths.create()
+        self.board = LoadBoard.create(args.num_dp_slots)
         self.children: dict[str, BaseProcess] = {}
         self.scheduler_info: launch.SchedulerReady | None = None
+        self.dead: set[str] = set()
 
     def start_children(self) -> None:
-        mp = multiprocessing.get_context("spawn")
-        pipes: dict[str, Connection] = {}
-        for name, target in (
-            ("scheduler", run_scheduler_process),
-            ("detokenizer", run_detokenizer_process),
-        ):
-            reader, writer = mp.Pipe(duplex=False)
-            proc = mp.Process(
-                target=target, args=(self.args, self.model_path, self.ipc, writer),
-                name=f"pdserve-{name}", daemon=True,
-            )
-            proc.start()
-            writer.close()
-            self.children[name] = proc
-            pipes[name] = reader
+        logger.info(
+            "starting %d DP rank(s) of %d slot(s); load balance method %s%s",
+            self.args.dp_size, self.args.num_dp_slots, self.method,
+            "" if self.uses_controller else " (no controller: a single rank)",
+        )
+        pending = [self._spawn_scheduler(rank) for rank in range(self.args.dp_size)]
+        pending.append(self._spawn("detokenizer", run_detokenizer_process,
+                                   (self.args, self.model_path, self.ipc)))
+        if self.uses_controller:
+            pending.append(self._spawn(
+                "dp-controller", run_controller_process,
+                (self.args, self.method, self.ipc, self.board.path, self.board.board_id),
+            ))
         deadline = time.monotonic() + STARTUP_TIMEOUT
-        for name, reader in pipes.items():
-            message = self._wait_ready(name, reader, deadline)
-            if isinstance(message, launch.StartupFailed):
-                raise RuntimeError(f"{message.name} failed to start: {message.error}")
-            if isinstance(message, launch.SchedulerReady):
-                self.scheduler_info = message
+        for name, reader in pending:
+            self._expect_ready(name, reader, deadline)
+
+    def start_scheduler(self, rank: int) -> None:
+        """Start one more rank (elastic activation); blocks until it is ready."""
+        name, reader = self._spawn_scheduler(rank)
+        self.dead.discard(name)
+        self._expect_ready(name, reader, time.monotonic() + STARTUP_TIMEOUT)
+
+    def _spawn_scheduler(self, rank: int) -> tuple[str, Connection]:
+        return self._spawn(
+            f"scheduler-{rank}", run_scheduler_process,
+            (self.args, self.model_path, self.ipc, rank, self.board.path, self.board.board_id),
+        )
+
+    def _spawn(self, name: str, target, args: tuple) -> tuple[str, Connection]:
+        mp = multiprocessing.get_context("spawn")
+        reader, writer = mp.Pipe(duplex=False)
+        proc = mp.Process(target=target, args=(*args, writer), name=f"pdserve-{name}",
+                          daemon=True)
+        proc.start()
+        writer.close()
+        self.children[name] = proc
+        return name, reader
+
+    def _expect_ready(self, name: str, reader: Connection, deadline: float) -> None:
+        message = self._wait_ready(name, reader, deadline)
+        if isinstance(message, launch.StartupFailed):
+            raise RuntimeError(f"{message.name} failed to start: {message.error}")
+        if isinstance(message, launch.SchedulerReady):
+            self.scheduler_info = message
 
     def _wait_ready(self, name: str, reader: Connection, deadline: float) -> launch.LaunchMessage:
         proc = self.children[name]
@@ -97,11 +135,20 @@ class ServiceTree:
         proc.join(timeout=1)
         raise RuntimeError(f"{name} process exited during start-up (exit code {proc.exitcode})")
 
-    def dead_child(self) -> str | None:
+    def newly_dead(self) -> list[tuple[str, str]]:
+        """(name, reason) of children that died since the last call."""
+        found = []
         for name, proc in self.children.items():
-            if not proc.is_alive():
-                return f"{name} process (pid {proc.pid}) died with exit code {proc.exitcode}"
-        return None
+            if name not in self.dead and not proc.is_alive():
+                self.dead.add(name)
+                found.append(
+                    (name, f"{name} process (pid {proc.pid}) died with exit code {proc.exitcode}")
+                )
+        return found
+
+    def is_fatal(self, name: str) -> bool:
+        """Losing a scheduler is survivable while other ranks serve; anything else is not."""
+        return not (name.startswith("scheduler-") and self.uses_controller)
 
     def stop(self) -> None:
         for proc in self.children.values():
@@ -112,12 +159,14 @@ class ServiceTree:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        self.board.unlink()
         self.ipc.remove()
 
 
 async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
     args, info = tree.args, tree.scheduler_info
-    frontend = FrontEnd(tree.ipc)
+    target = tree.ipc.controller_input if tree.uses_controller else tree.ipc.scheduler_input_of(0)
+    frontend = FrontEnd(tree.ipc, target)
     frontend.start()
     ctx = ServerContext(
         args=args,
@@ -144,14 +193,15 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
         nonlocal exit_code
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL)
-            reason = tree.dead_child()
-            if reason is not None:
-                logger.critical("%s; shutting the service down", reason)
-                ctx.unhealthy_reason = reason
-                frontend.fail_all(reason)
-                exit_code = 1
-                stop.set()
-                return
+            for name, reason in tree.newly_dead():
+                if tree.is_fatal(name):
+                    logger.critical("%s; shutting the service down", reason)
+                    ctx.unhealthy_reason = reason
+                    frontend.fail_all(reason)
+                    exit_code = 1
+                    stop.set()
+                    return
+                logger.error("%s; its DP rank is now unavailable", reason)
 
     watch = asyncio.create_task(watchdog())
     await stop.wait()

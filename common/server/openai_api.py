@@ -9,6 +9,7 @@ last chunk with empty choices and the usage.
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 
 import msgspec
 from aiohttp import web
@@ -166,28 +167,29 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     sent_text = [0] * len(reqs)
     sent_ids = [0] * len(reqs)
     finals: dict[int, RequestOutput] = {}
-    async for i, out in stream(ctx, reqs):
-        if (error := abort_error(out)) is not None:
-            await sse.send_event(response, error.body())
-            break
-        delta = out.text[sent_text[i]:]
-        first_chunk = sent_ids[i] == 0 and sent_text[i] == 0
-        if body.echo and first_chunk:
-            delta = echo_texts[i] + delta
-        if delta or out.finished or len(out.output_ids) > sent_ids[i]:
-            c = choice(i, out, delta, sent_ids[i], first_chunk)
-            await sse.send_event(response, {"id": cid, "object": "text_completion",
-                                            "created": created, "model": ctx.model_name,
-                                            "choices": [c]})
-        sent_text[i], sent_ids[i] = len(out.text), len(out.output_ids)
-        if out.finished:
-            finals[i] = out
-    else:
-        if body.stream_options is not None and body.stream_options.include_usage:
-            outs = [finals[i] for i in range(len(reqs))]
-            await sse.send_event(response, {"id": cid, "object": "text_completion",
-                                            "created": created, "model": ctx.model_name,
-                                            "choices": [], "usage": _usage(outs, params.n)})
+    async with aclosing(stream(ctx, reqs)) as events:
+        async for i, out in events:
+            if (error := abort_error(out)) is not None:
+                await sse.send_event(response, error.body())
+                break
+            delta = out.text[sent_text[i]:]
+            first_chunk = sent_ids[i] == 0 and sent_text[i] == 0
+            if body.echo and first_chunk:
+                delta = echo_texts[i] + delta
+            if delta or out.finished or len(out.output_ids) > sent_ids[i]:
+                c = choice(i, out, delta, sent_ids[i], first_chunk)
+                await sse.send_event(response, {"id": cid, "object": "text_completion",
+                                                "created": created, "model": ctx.model_name,
+                                                "choices": [c]})
+            sent_text[i], sent_ids[i] = len(out.text), len(out.output_ids)
+            if out.finished:
+                finals[i] = out
+        else:
+            if body.stream_options is not None and body.stream_options.include_usage:
+                outs = [finals[i] for i in range(len(reqs))]
+                await sse.send_event(response, {"id": cid, "object": "text_completion",
+                                                "created": created, "model": ctx.model_name,
+                                                "choices": [], "usage": _usage(outs, params.n)})
     await sse.send_done(response)
     return response
 
@@ -277,27 +279,30 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     sent_text = [0] * len(reqs)
     sent_ids = [0] * len(reqs)
     finals: dict[int, RequestOutput] = {}
-    async for i, out in stream(ctx, reqs):
-        if (error := abort_error(out)) is not None:
-            await sse.send_event(response, error.body())
-            break
-        delta = out.text[sent_text[i]:]
-        if delta or len(out.output_ids) > sent_ids[i] or out.finished:
-            lp = (_chat_logprobs(ctx, out, sent_ids[i], len(out.output_ids), k)
-                  if body.logprobs else None)
-            if delta or lp:
-                await sse.send_event(response, chunk([{"index": i, "delta": {"content": delta},
-                                                       "logprobs": lp, "finish_reason": None}]))
+    async with aclosing(stream(ctx, reqs)) as events:
+        async for i, out in events:
+            if (error := abort_error(out)) is not None:
+                await sse.send_event(response, error.body())
+                break
+            delta = out.text[sent_text[i]:]
+            if delta or len(out.output_ids) > sent_ids[i] or out.finished:
+                lp = (_chat_logprobs(ctx, out, sent_ids[i], len(out.output_ids), k)
+                      if body.logprobs else None)
+                if delta or (lp and lp["content"]):
+                    content = {"index": i, "delta": {"content": delta}, "logprobs": lp,
+                               "finish_reason": None}
+                    await sse.send_event(response, chunk([content]))
+                if out.finished:
+                    final = {"index": i, "delta": {}, "logprobs": None,
+                             "finish_reason": _finish_reason(out)}
+                    await sse.send_event(response, chunk([final]))
+            sent_text[i], sent_ids[i] = len(out.text), len(out.output_ids)
             if out.finished:
-                await sse.send_event(response, chunk([{"index": i, "delta": {}, "logprobs": None,
-                                                       "finish_reason": _finish_reason(out)}]))
-        sent_text[i], sent_ids[i] = len(out.text), len(out.output_ids)
-        if out.finished:
-            finals[i] = out
-    else:
-        if body.stream_options is not None and body.stream_options.include_usage:
-            outs = [finals[i] for i in range(len(reqs))]
-            await sse.send_event(response, chunk([], usage=_usage(outs, params.n)))
+                finals[i] = out
+        else:
+            if body.stream_options is not None and body.stream_options.include_usage:
+                outs = [finals[i] for i in range(len(reqs))]
+                await sse.send_event(response, chunk([], usage=_usage(outs, params.n)))
     await sse.send_done(response)
     return response
 

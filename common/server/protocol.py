@@ -23,7 +23,7 @@ Temperature = Annotated[float, Meta(ge=0.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+RepetitionPenalty = Annotated[float, Meta(ge=0.01, le=10.0)]
 TopK = Annotated[int, Meta(ge=-1)]
 NumChoices = Annotated[int, Meta(ge=1, le=64)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
@@ -176,9 +176,10 @@ def _int_list(value: list, param: str) -> list[int]:
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
+    """Empty strings are dropped: "" would match before any text and stop at once."""
     if stop is None:
         return []
-    return [stop] if isinstance(stop, str) else [s for s in stop if s]
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
 
 
 def logit_bias_map(bias: dict[str, float] | None, vocab_size: int, param: str) -> dict[int, float]:
@@ -203,15 +204,20 @@ def check_token_ids(ids: list[int] | None, vocab_size: int, param: str) -> list[
     return list(ids or [])
 
 
+# Below this a temperature only overflows the logits (NaN probabilities): it means greedy.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
 def sampling_from_body(
     body: SamplingParamsBody, max_new_tokens: int, vocab_size: int, prefix: str
 ) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         min_new_tokens=body.min_new_tokens,
-        temperature=body.temperature,
+        temperature=body.temperature if body.temperature >= GREEDY_TEMPERATURE_EPS else 0.0,
         top_p=body.top_p,
-        top_k=body.top_k if body.top_k > 0 else -1,
+        # top_k >= vocab keeps every token; clamping also keeps huge values off the tensors.
+        top_k=body.top_k if 0 < body.top_k < vocab_size else -1,
         min_p=body.min_p,
         repetition_penalty=body.repetition_penalty,
         frequency_penalty=body.frequency_penalty,

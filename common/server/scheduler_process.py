@@ -1,12 +1,16 @@
-"""The scheduler process: a ZMQ loop around `EngineCore`.
+"""The scheduler process of one DP rank: a ZMQ loop around `EngineCore`.
 
-    PULL scheduler_input  (GenerateRequest | AbortRequest | FlushCacheRequest)
-      -> engine.add / abort / flush_cache
+    PULL scheduler_input_of(rank)  GenerateRequest | AbortRequest | FlushCacheRequest | Stats
+      -> engine.add / abort / flush_cache / stats
       -> engine.step() while there is work
-    PUSH detokenizer_input (TokenBatch | FlushCacheResult)
+    PUSH detokenizer_input         TokenBatch | FlushCacheResult | EngineStats
+    load board slot `rank`         LoadSnapshot: after every prefill (extend) batch, every
+                                   --load-publish-steps steps, on becoming idle, and once a
+                                   second while idle (a heartbeat: the timestamp stays fresh)
 
 When idle it blocks on the poller (no busy loop). An exception inside the engine ends the
-process: the launcher notices the death and takes the whole service down with a log line.
+process: the launcher notices the death and reacts (the service stops, or with dp_size > 1 the
+rank is marked unavailable and its requests fail).
 """
 
 from __future__ import annotations
@@ -22,31 +26,55 @@ from common.config import ServerArgs
 from common.engine.engine import EngineCore
 from common.engine.loader import load_engine_parts
 from common.engine.tokenizer import Tokenizer
+from common.loads.board import LoadBoard
 from common.messages import detokenizer_input, launch, scheduler_input
 from common.server.ipc import IpcPaths
 from common.server.process_utils import configure_logging, die_with_parent, report
 
 logger = logging.getLogger(__name__)
 
+IDLE_HEARTBEAT_MS = 1000
+
 
 class SchedulerLoop:
-    def __init__(self, engine: EngineCore, ipc: IpcPaths):
+    def __init__(
+        self, engine: EngineCore, ipc: IpcPaths, board: LoadBoard | None, publish_steps: int
+    ):
         self.engine = engine
+        self.board = board
+        self.publish_steps = publish_steps
         self.ctx = zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
-        self.recv.bind(ipc.scheduler_input)
+        self.recv.bind(ipc.scheduler_input_of(engine.dp_rank))
         self.send = self.ctx.socket(zmq.PUSH)
         self.send.connect(ipc.detokenizer_input)
         self.poller = zmq.Poller()
         self.poller.register(self.recv, zmq.POLLIN)
+        self._steps_since_publish = 0
+        self._published_idle = False
 
     def run_forever(self) -> None:
+        self.publish()
         while True:
-            timeout = 0 if self.engine.has_work() else None
-            if self.poller.poll(timeout):
+            busy = self.engine.has_work()
+            if not busy and not self._published_idle:
+                self.publish()
+                self._published_idle = True
+            if self.poller.poll(0 if busy else IDLE_HEARTBEAT_MS):
                 self._drain_inputs()
-            deltas = self.engine.step()
-            self._emit(deltas)
+            elif not busy:
+                self.publish()  # heartbeat
+                continue
+            self._published_idle = False
+            self._emit(self.engine.step())
+            self._steps_since_publish += 1
+            if self.engine.last_step_was_extend or self._steps_since_publish >= self.publish_steps:
+                self.publish()
+
+    def publish(self) -> None:
+        self._steps_since_publish = 0
+        if self.board is not None:
+            self.board.write(self.engine.load_snapshot())
 
     def _drain_inputs(self) -> None:
         while True:
@@ -54,19 +82,21 @@ class SchedulerLoop:
                 raw = self.recv.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = scheduler_input.decoder.decode(raw)
-            if isinstance(msg, scheduler_input.GenerateRequest):
-                self._emit(self.engine.add(msg))
-            elif isinstance(msg, scheduler_input.AbortRequest):
-                self._emit(self.engine.abort(msg.rid, msg.message))
-            elif isinstance(msg, scheduler_input.FlushCacheRequest):
-                ok, text = self.engine.flush_cache()
-                result = detokenizer_input.FlushCacheResult(
-                    request_id=msg.request_id, success=ok, message=text
-                )
-                self.send.send(detokenizer_input.encoder.encode(result))
-            elif isinstance(msg, scheduler_input.StatsRequest):
-                self.send.send(detokenizer_input.encoder.encode(self.engine.stats(msg.request_id)))
+            self.handle(scheduler_input.decoder.decode(raw))
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, scheduler_input.GenerateRequest):
+            self._emit(self.engine.add(msg))
+        elif isinstance(msg, scheduler_input.AbortRequest):
+            self._emit(self.engine.abort(msg.rid, msg.message))
+        elif isinstance(msg, scheduler_input.FlushCacheRequest):
+            ok, text = self.engine.flush_cache()
+            result = detokenizer_input.FlushCacheResult(
+                request_id=msg.request_id, dp_rank=self.engine.dp_rank, success=ok, message=text
+            )
+            self.send.send(detokenizer_input.encoder.encode(result))
+        elif isinstance(msg, scheduler_input.StatsRequest):
+            self.send.send(detokenizer_input.encoder.encode(self.engine.stats(msg.request_id)))
 
     def _emit(self, deltas: list) -> None:
         if deltas:
@@ -75,19 +105,27 @@ class SchedulerLoop:
 
 
 def run_scheduler_process(
-    args: ServerArgs, model_path: str, ipc: IpcPaths, ready: Connection
+    args: ServerArgs,
+    model_path: str,
+    ipc: IpcPaths,
+    dp_rank: int,
+    board_path: str | None,
+    board_id: int,
+    ready: Connection,
 ) -> None:
     die_with_parent()
-    configure_logging(args.log_level, "scheduler")
+    configure_logging(args.log_level, f"scheduler-{dp_rank}")
     try:
         if args.torch_num_threads:
             torch.set_num_threads(args.torch_num_threads)
         loaded = load_engine_parts(args, model_path)
-        engine = EngineCore(args, loaded, Tokenizer.from_model_path(model_path))
-        loop = SchedulerLoop(engine, ipc)
+        engine = EngineCore(args, loaded, Tokenizer.from_model_path(model_path), dp_rank)
+        board = LoadBoard.attach(board_path, args.num_dp_slots, board_id) if board_path else None
+        loop = SchedulerLoop(engine, ipc, board, args.load_publish_steps)
     except Exception as exc:  # start-up errors go back to the launcher, which prints them
         logger.debug("start-up failed:\n%s", traceback.format_exc())
-        report(ready, launch.StartupFailed(name="scheduler", error=f"{type(exc).__name__}: {exc}"))
+        report(ready, launch.StartupFailed(name=f"scheduler-{dp_rank}",
+                                           error=f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
     report(
         ready,
@@ -107,5 +145,5 @@ def run_scheduler_process(
     try:
         loop.run_forever()
     except Exception:
-        logger.critical("scheduler crashed:\n%s", traceback.format_exc())
+        logger.critical("scheduler %d crashed:\n%s", dp_rank, traceback.format_exc())
         raise SystemExit(1) from None
