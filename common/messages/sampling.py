@@ -39,6 +39,7 @@ class FinishReason(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     length: int | None = None
     message: str | None = None
     status: int | None = None
+    param: str | None = None  # the request field an abort blames, if any
 
 
 class TopLogprobs(msgspec.Struct, array_like=True, frozen=True):

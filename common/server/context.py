@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
 
 from common.config import ServerArgs
 from common.engine.tokenizer import Tokenizer
@@ -18,6 +21,10 @@ from common.messages.scheduler_input import GenerateRequest
 from common.server.errors import ApiError
 from common.server.frontend import FrontEnd, RequestOutput
 from common.server.protocol import Limits
+
+if TYPE_CHECKING:
+    from common.server.dp_ranks import DpRanks
+    from common.server.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +38,12 @@ class ServerContext:
     frontend: FrontEnd
     info: SchedulerReady
     limits: Limits
+    dp: DpRanks | None = None
+    metrics: ServiceMetrics | None = None
     draining: bool = False
     unhealthy_reason: str | None = None
     started: float = 0.0
-    extra_info: dict = field(default_factory=dict)
+    process_pids: Callable[[], dict[str, int]] = dict
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
@@ -54,24 +63,32 @@ class ServerContext:
                 raise ApiError(f"rid {rid!r} is already in flight", "rid", 409)
 
 
+CTX = web.AppKey("ctx", ServerContext)
+
+
 def abort_error(out: RequestOutput) -> ApiError | None:
     """An abort caused by the service (not by the client) becomes an HTTP error."""
     reason = out.finish_reason
     if reason is not None and reason.type == "abort" and reason.status:
-        return ApiError(reason.message or "request failed", None, reason.status)
+        return ApiError(reason.message or "request failed", reason.param, reason.status)
     return None
 
 
 async def collect(ctx: ServerContext, reqs: list[GenerateRequest]) -> list[RequestOutput]:
     """Run every request to completion; cancelling this aborts all of them."""
 
-    async def one(req: GenerateRequest) -> RequestOutput:
+    async def drain(outs: AsyncIterator[RequestOutput]) -> RequestOutput:
         last = None
-        async for out in ctx.frontend.generate(req):
-            last = out
+        async with aclosing(outs):
+            async for out in outs:
+                last = out
         return last
 
-    return list(await asyncio.gather(*(one(r) for r in reqs)))
+    iterators = ctx.frontend.generate_many(reqs)
+    try:
+        return list(await asyncio.gather(*(drain(it) for it in iterators)))
+    finally:
+        ctx.frontend.release([r.rid for r in reqs])
 
 
 async def stream(
@@ -81,24 +98,31 @@ async def stream(
 
     Use it under `contextlib.aclosing`: closing it early (client gone, error chunk) aborts the
     requests still running at once instead of whenever the generator is garbage-collected."""
+    iterators = ctx.frontend.generate_many(reqs)
     if len(reqs) == 1:
-        async with aclosing(ctx.frontend.generate(reqs[0])) as outs:
-            async for out in outs:
-                yield 0, out
+        try:
+            async with aclosing(iterators[0]) as outs:
+                async for out in outs:
+                    yield 0, out
+        finally:
+            ctx.frontend.release([reqs[0].rid])
         return
     queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
-    async def pump(i: int, req: GenerateRequest) -> None:
+    async def pump(i: int, req: GenerateRequest, outs: AsyncIterator[RequestOutput]) -> None:
         try:
-            async for out in ctx.frontend.generate(req):
-                queue.put_nowait((i, out))
+            async with aclosing(outs):
+                async for out in outs:
+                    queue.put_nowait((i, out))
         except Exception as exc:  # never leave the consumer waiting
             logger.exception("request %s failed", req.rid)
             failed = RequestOutput(rid=req.rid)
             failed.finish(FinishReason(type="abort", message=str(exc), status=500))
             queue.put_nowait((i, failed))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    tasks = [
+        asyncio.create_task(pump(i, r, it)) for i, (r, it) in enumerate(zip(reqs, iterators))
+    ]
     try:
         remaining = len(reqs)
         while remaining:
@@ -110,3 +134,4 @@ async def stream(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        ctx.frontend.release([r.rid for r in reqs])

@@ -78,6 +78,7 @@ class Detokenizer:
             input_logprobs=delta.input_logprobs,
             input_top_logprobs=delta.input_top_logprobs,
             input_logprob_start=delta.input_logprob_start,
+            dp_rank=delta.dp_rank,
         )
 
 

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -48,6 +48,7 @@ class RequestOutput:
     input_logprob_start: int = 0
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
+    dp_rank: int | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -58,6 +59,7 @@ class RequestOutput:
         return (self.finished_at or time.monotonic()) - self.created
 
     def apply(self, delta: TextDelta) -> None:
+        self.dp_rank = delta.dp_rank
         self.prompt_tokens = delta.prompt_tokens
         self.text += delta.text
         self.output_ids.extend(delta.new_ids)
@@ -82,16 +84,29 @@ class _State:
     updated: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+@dataclass(slots=True)
+class _Control:
+    future: asyncio.Future
+    expected: int
+    replies: list = field(default_factory=list)
+
+
 class FrontEnd:
-    def __init__(self, ipc: IpcPaths, request_target: str):
+    def __init__(self, ipc: IpcPaths, request_target: str, num_ranks: int = 1,
+                 via_controller: bool = False,
+                 on_finish: Callable[[RequestOutput], None] | None = None):
         self.ctx = zmq.asyncio.Context()
         # The DP controller's input, or the only scheduler's when there is no controller.
         self.to_scheduler = self.ctx.socket(zmq.PUSH)
         self.to_scheduler.connect(request_target)
         self.from_detokenizer = self.ctx.socket(zmq.PULL)
         self.from_detokenizer.bind(ipc.frontend_input)
+        self.via_controller = via_controller
+        self.on_finish = on_finish
+        # Ranks whose scheduler answers control requests (started and alive).
+        self.live_ranks: set[int] = set(range(num_ranks))
         self.states: dict[str, _State] = {}
-        self.pending_control: dict[str, asyncio.Future] = {}
+        self.pending_control: dict[str, _Control] = {}
         self._ids = itertools.count()
         self._recv_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
@@ -112,24 +127,54 @@ class FrontEnd:
         return rid in self.states
 
     # ---- generation -------------------------------------------------------------------
-    async def generate(self, req: scheduler_input.GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, req: scheduler_input.GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yields the cumulative output after each update; the last one has `finished`."""
-        if req.rid in self.states:
-            # Two requests raced past the HTTP layer's check with the same rid: refuse this one
-            # without touching the other's state (overwriting it would strand that consumer).
-            dup = RequestOutput(rid=req.rid, prompt_tokens=len(req.input_ids))
-            dup.finish(FinishReason(
-                type="abort", message=f"rid {req.rid!r} is already in flight", status=409
-            ))
-            yield dup
-            return
-        state = _State(RequestOutput(rid=req.rid, prompt_tokens=len(req.input_ids)))
-        self.states[req.rid] = state
-        try:
+        return self.generate_many([req])[0]
+
+    def generate_many(
+        self, reqs: list[scheduler_input.GenerateRequest]
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Registers and submits every request now (as one batch message when a DP controller
+        is in front of the schedulers, so it refreshes its load budget once); returns one
+        iterator per request. Leaving an iterator early aborts that request."""
+        registered: list[_State | None] = []
+        to_send: list[scheduler_input.GenerateRequest] = []
+        for req in reqs:
+            if req.rid in self.states:
+                # Two requests raced past the HTTP layer's check with the same rid: refuse this
+                # one without touching the other's state (overwriting would strand it).
+                registered.append(None)
+                continue
+            state = _State(RequestOutput(rid=req.rid, prompt_tokens=len(req.input_ids)))
+            self.states[req.rid] = state
+            registered.append(state)
             if self.dead_reason is not None:
                 state.out.finish(FinishReason(type="abort", message=self.dead_reason, status=503))
+                state.updated.set()
             else:
-                await self.to_scheduler.send(scheduler_input.encoder.encode(req))
+                to_send.append(req)
+        if to_send:
+            if self.via_controller and len(to_send) > 1:
+                msgs = [scheduler_input.GenerateBatch(requests=to_send)]
+            else:
+                msgs = to_send
+            for msg in msgs:
+                self.to_scheduler.send(scheduler_input.encoder.encode(msg), copy=False)
+        return [
+            self._follow(state) if state is not None else self._refused(req)
+            for req, state in zip(reqs, registered)
+        ]
+
+    async def _refused(self, req: scheduler_input.GenerateRequest) -> AsyncIterator[RequestOutput]:
+        dup = RequestOutput(rid=req.rid, prompt_tokens=len(req.input_ids))
+        dup.finish(FinishReason(
+            type="abort", message=f"rid {req.rid!r} is already in flight", status=409
+        ))
+        yield dup
+
+    async def _follow(self, state: _State) -> AsyncIterator[RequestOutput]:
+        rid = state.out.rid
+        try:
             while True:
                 await state.updated.wait()
                 state.updated.clear()
@@ -137,42 +182,78 @@ class FrontEnd:
                 if state.out.finished:
                     return
         finally:
-            self.states.pop(req.rid, None)
+            self.states.pop(rid, None)
             if not state.out.finished and self.dead_reason is None:
-                self.abort(req.rid, "client disconnected")
+                self.abort(rid, "client disconnected", state.out.dp_rank)
 
-    def abort(self, rid: str, message: str = "aborted by request") -> None:
-        msg = scheduler_input.AbortRequest(rid=rid, message=message)
+    def release(self, rids: list[str]) -> None:
+        """Forget requests whose consumer is gone, aborting unfinished ones. Covers iterators
+        that were cancelled before they ever started (their `finally` never runs)."""
+        for rid in rids:
+            state = self.states.pop(rid, None)
+            if state is not None and not state.out.finished and self.dead_reason is None:
+                self.abort(rid, "client disconnected", state.out.dp_rank)
+
+    def abort(self, rid: str, message: str = "aborted by request",
+              dp_rank: int | None = None) -> None:
+        if dp_rank is None and rid in self.states:
+            dp_rank = self.states[rid].out.dp_rank
+        msg = scheduler_input.AbortRequest(rid=rid, message=message, dp_rank=dp_rank)
+        self.to_scheduler.send(scheduler_input.encoder.encode(msg))
+
+    def send_control(self, msg) -> None:
         self.to_scheduler.send(scheduler_input.encoder.encode(msg))
 
     def fail_all(self, reason: str) -> None:
         self.dead_reason = reason
+        self._fail(lambda state: True, reason)
+        for control in self.pending_control.values():
+            if not control.future.done():
+                control.future.set_exception(RuntimeError(reason))
+
+    def fail_rank(self, rank: int, reason: str) -> None:
+        """A DP rank died: its requests fail now; control requests stop waiting for it."""
+        self.live_ranks.discard(rank)
+        self._fail(lambda state: state.out.dp_rank == rank, reason)
+        for control in self.pending_control.values():
+            control.expected = min(control.expected, len(self.live_ranks))
+            self._maybe_complete(control)
+
+    def _fail(self, which, reason: str) -> None:
         for state in self.states.values():
-            if not state.out.finished:
+            if not state.out.finished and which(state):
                 state.out.finish(FinishReason(type="abort", message=reason, status=503))
                 state.updated.set()
-        for fut in self.pending_control.values():
-            if not fut.done():
-                fut.set_exception(RuntimeError(reason))
 
     # ---- control ----------------------------------------------------------------------
-    async def flush_cache(self) -> FlushCacheResult:
+    async def flush_cache(self) -> list[FlushCacheResult]:
+        """One result per live DP rank."""
         return await self._control(scheduler_input.FlushCacheRequest, timeout=10.0)
 
-    async def stats(self) -> EngineStats:
-        return await self._control(scheduler_input.StatsRequest, timeout=10.0)
+    async def stats(self) -> list[EngineStats]:
+        """One entry per live DP rank, in rank order."""
+        replies = await self._control(scheduler_input.StatsRequest, timeout=10.0)
+        return sorted(replies, key=lambda r: r.dp_rank)
 
-    async def _control(self, msg_type, timeout: float):
+    async def _control(self, msg_type, timeout: float) -> list:
         if self.dead_reason is not None:
             raise RuntimeError(self.dead_reason)
         request_id = f"ctl-{next(self._ids)}"
-        fut = asyncio.get_running_loop().create_future()
-        self.pending_control[request_id] = fut
+        control = _Control(asyncio.get_running_loop().create_future(), len(self.live_ranks))
+        self.pending_control[request_id] = control
         try:
-            await self.to_scheduler.send(scheduler_input.encoder.encode(msg_type(request_id=request_id)))
-            return await asyncio.wait_for(fut, timeout)
+            await self.to_scheduler.send(
+                scheduler_input.encoder.encode(msg_type(request_id=request_id))
+            )
+            self._maybe_complete(control)
+            return await asyncio.wait_for(control.future, timeout)
         finally:
             self.pending_control.pop(request_id, None)
+
+    @staticmethod
+    def _maybe_complete(control: _Control) -> None:
+        if not control.future.done() and len(control.replies) >= control.expected:
+            control.future.set_result(list(control.replies))
 
     # ---- receive loop -----------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -185,7 +266,32 @@ class FrontEnd:
                         continue  # the consumer left (and aborted) already
                     state.out.apply(delta)
                     state.updated.set()
+                    if delta.finished and self.on_finish is not None:
+                        self.on_finish(state.out)
+            elif isinstance(msg, frontend_input.DispatchReport):
+                self._on_dispatch(msg)
             else:
-                fut = self.pending_control.get(msg.request_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+                control = self.pending_control.get(msg.request_id)
+                if control is not None:
+                    control.replies.append(msg)
+                    self._maybe_complete(control)
+
+    def _on_dispatch(self, report: frontend_input.DispatchReport) -> None:
+        for rid, rank in zip(report.rids, report.ranks):
+            state = self.states.get(rid)
+            if state is None or state.out.finished:
+                continue
+            state.out.dp_rank = rank
+            if rank not in self.live_ranks:
+                state.out.finish(FinishReason(
+                    type="abort", message=f"DP rank {rank} is unavailable", status=503
+                ))
+                state.updated.set()
+        for failure in report.failed:
+            state = self.states.get(failure.rid)
+            if state is not None and not state.out.finished:
+                state.out.finish(FinishReason(
+                    type="abort", message=failure.message, status=failure.status,
+                    param=failure.param,
+                ))
+                state.updated.set()

@@ -9,11 +9,12 @@ from aiohttp import web
 
 from common.messages.scheduler_input import GenerateRequest
 from common.server import sse
-from common.server.context import ServerContext, abort_error, collect, stream
+from common.server.context import CTX, ServerContext, abort_error, collect, stream
 from common.server.errors import ApiError, decode_json
 from common.server.frontend import RequestOutput
 from common.server.protocol import (
     GenerateBody,
+    dispatch_hints,
     sampling_body,
     sampling_from_body,
     token_id_lists,
@@ -46,6 +47,7 @@ def build_requests(ctx: ServerContext, body: GenerateBody) -> tuple[list[Generat
     rids = body.rid if isinstance(body.rid, list) else None
     if rids is not None and len(rids) != len(prompts):
         raise ApiError(f"rid has {len(rids)} entries for {len(prompts)} prompts", "rid")
+    hints = dispatch_hints(body, len(prompts), ctx.args.num_dp_slots)
     reqs: list[GenerateRequest] = []
     for i, ids in enumerate(prompts):
         item = f"{field}[{i}]" if is_batch else field
@@ -77,6 +79,8 @@ def build_requests(ctx: ServerContext, body: GenerateBody) -> tuple[list[Generat
                     return_logprob=body.return_logprob,
                     logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
                     top_logprobs_num=body.top_logprobs_num,
+                    routed_dp_rank=hints[i][0],
+                    bootstrap_room=hints[i][1],
                 )
             )
         is_batch = is_batch or params.n > 1
@@ -108,6 +112,7 @@ def response_json(ctx: ServerContext, out: RequestOutput, body: GenerateBody, pr
         "completion_tokens": out.completion_tokens,
         "cached_tokens": 0,
         "e2e_latency": round(out.e2e_latency, 6),
+        "dp_rank": out.dp_rank,
     }
     if body.return_logprob:
         with_text = body.return_text_in_logprobs
@@ -131,7 +136,7 @@ def _reason(out: RequestOutput) -> dict:
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     ctx.check_accepting()
     body = decode_json(await request.read(), GenerateBody)
     reqs, is_batch = build_requests(ctx, body)

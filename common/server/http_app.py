@@ -15,9 +15,15 @@ from aiohttp import web
 
 from common.messages.sampling import SamplingParams
 from common.messages.scheduler_input import GenerateRequest
-from common.server.context import ServerContext
+from common.server.context import CTX, ServerContext
 from common.server.errors import ApiError, decode_json, error_response
 from common.server.generate_api import handle_generate
+from common.server.loads_api import (
+    handle_change_rank,
+    handle_list_ranks,
+    handle_loads,
+    handle_metrics,
+)
 from common.server.openai_api import handle_chat, handle_completions, handle_models
 
 logger = logging.getLogger(__name__)
@@ -27,6 +33,16 @@ HEALTH_GENERATE_TIMEOUT = 20.0
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
+    response = await _handle(request, handler)
+    metrics = request.app[CTX].metrics
+    if metrics is not None:
+        route = request.match_info.route.resource
+        name = route.canonical if route is not None else "unmatched"
+        metrics.http_requests.labels(name, str(response.status)).inc()
+    return response
+
+
+async def _handle(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
@@ -43,17 +59,21 @@ async def error_middleware(request: web.Request, handler):
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     if ctx.unhealthy_reason is not None:
         return error_response(ctx.unhealthy_reason, None, 503)
     if ctx.draining:
         return error_response("shutting down", None, 503)
+    if ctx.dp is not None and ctx.dp.unavailable:
+        if not ctx.dp.available:
+            return error_response("no DP rank is available", None, 503)
+        return web.json_response({"status": "degraded", "unavailable_dp_ranks": ctx.dp.unavailable})
     return web.json_response({"status": "ok"})
 
 
 async def handle_health_generate(request: web.Request) -> web.Response:
     """Runs a one-token generation through the whole tree."""
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     ctx.check_accepting()
     req = GenerateRequest(
         rid=f"health-{ctx.new_rid()}",
@@ -74,16 +94,19 @@ async def handle_health_generate(request: web.Request) -> web.Response:
 
 
 async def handle_server_info(request: web.Request) -> web.Response:
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     info = ctx.args.to_dict()
     info["model_path"] = ctx.model_path
     info["served_model_name"] = ctx.model_name
     resolved = msgspec.to_builtins(ctx.info)
     resolved.pop("type", None)  # the message tag, not a value
     info.update(resolved)
-    info.update(ctx.extra_info)
+    info["process_pids"] = ctx.process_pids()
+    if ctx.dp is not None:
+        info["load_balance_method"] = ctx.dp.method  # the resolved method, not "auto"
+        info["dp_rank_states"] = [s.value for s in ctx.dp.states]
     try:
-        info["internal_states"] = [msgspec.to_builtins(await ctx.frontend.stats())]
+        info["internal_states"] = [msgspec.to_builtins(s) for s in await ctx.frontend.stats()]
     except (RuntimeError, asyncio.TimeoutError) as exc:
         info["internal_states"] = [{"error": str(exc)}]
     info["version"] = _version()
@@ -100,7 +123,7 @@ def _version() -> str:
 
 
 async def handle_model_info(request: web.Request) -> web.Response:
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     return web.json_response({
         "model_path": ctx.model_path,
         "served_model_name": ctx.model_name,
@@ -117,7 +140,7 @@ class AbortBody(msgspec.Struct, kw_only=True):
 
 
 async def handle_abort(request: web.Request) -> web.Response:
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     body = decode_json(await request.read(), AbortBody)
     if not ctx.frontend.is_inflight(body.rid):
         raise ApiError(f"no request with rid {body.rid!r} is in flight", "rid", 404)
@@ -126,19 +149,22 @@ async def handle_abort(request: web.Request) -> web.Response:
 
 
 async def handle_flush_cache(request: web.Request) -> web.Response:
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     try:
-        result = await ctx.frontend.flush_cache()
+        results = await ctx.frontend.flush_cache()
     except (RuntimeError, asyncio.TimeoutError) as exc:
         return error_response(f"flush failed: {exc}", None, 503)
-    if not result.success:
-        return error_response(result.message, None, 409)
-    return web.json_response({"status": "ok", "message": result.message})
+    failed = [r for r in results if not r.success]
+    if failed:
+        return error_response(
+            "; ".join(f"DP rank {r.dp_rank}: {r.message}" for r in failed), None, 409
+        )
+    return web.json_response({"status": "ok", "message": results[0].message if results else ""})
 
 
 def create_app(ctx: ServerContext) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
-    app["ctx"] = ctx
+    app[CTX] = ctx
     ctx.started = time.time()
     app.router.add_post("/generate", handle_generate)
     app.router.add_post("/v1/completions", handle_completions)
@@ -150,4 +176,8 @@ def create_app(ctx: ServerContext) -> web.Application:
     app.router.add_get("/get_model_info", handle_model_info)
     app.router.add_post("/abort_request", handle_abort)
     app.router.add_post("/flush_cache", handle_flush_cache)
+    app.router.add_get("/v1/loads", handle_loads)
+    app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/dp_ranks", handle_list_ranks)
+    app.router.add_post("/dp_ranks/{rank}", handle_change_rank)
     return app

@@ -34,6 +34,8 @@ from common.server.http_app import create_app
 from common.server.ipc import IpcPaths
 from common.server.process_utils import configure_logging
 from common.server.protocol import Limits
+from common.server.dp_ranks import DpRanks
+from common.server.metrics import ServiceMetrics
 from common.server.scheduler_process import run_scheduler_process
 from common.dp.controller import run_controller_process
 from common.dp.dispatch import resolve_method
@@ -135,6 +137,14 @@ class ServiceTree:
         proc.join(timeout=1)
         raise RuntimeError(f"{name} process exited during start-up (exit code {proc.exitcode})")
 
+    @property
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.children.items()}
+
+    def is_running(self, rank: int) -> bool:
+        proc = self.children.get(f"scheduler-{rank}")
+        return proc is not None and proc.is_alive()
+
     def newly_dead(self) -> list[tuple[str, str]]:
         """(name, reason) of children that died since the last call."""
         found = []
@@ -165,9 +175,24 @@ class ServiceTree:
 
 async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
     args, info = tree.args, tree.scheduler_info
-    target = tree.ipc.controller_input if tree.uses_controller else tree.ipc.scheduler_input_of(0)
-    frontend = FrontEnd(tree.ipc, target)
+    board = tree.board
+    metrics = ServiceMetrics(board.read_all)
+    if tree.uses_controller:
+        frontend = FrontEnd(tree.ipc, tree.ipc.controller_input, args.dp_size,
+                            via_controller=True, on_finish=metrics.on_finish)
+    else:
+        frontend = FrontEnd(tree.ipc, tree.ipc.scheduler_input_of(0), on_finish=metrics.on_finish)
     frontend.start()
+    dp = DpRanks(
+        method=tree.method,
+        num_active=args.dp_size,
+        num_slots=args.num_dp_slots,
+        board=board,
+        frontend=frontend,
+        uses_controller=tree.uses_controller,
+        start_scheduler=tree.start_scheduler,
+        is_running=tree.is_running,
+    )
     ctx = ServerContext(
         args=args,
         model_path=tree.model_path,
@@ -176,7 +201,9 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
         frontend=frontend,
         info=info,
         limits=Limits(info.vocab_size, info.context_length, info.max_total_tokens),
-        extra_info={"process_pids": {name: p.pid for name, p in tree.children.items()}},
+        dp=dp,
+        metrics=metrics,
+        process_pids=lambda: tree.pids,
     )
     runner = web.AppRunner(create_app(ctx), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -202,6 +229,7 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
                     stop.set()
                     return
                 logger.error("%s; its DP rank is now unavailable", reason)
+                dp.mark_dead(int(name.removeprefix("scheduler-")), reason)
 
     watch = asyncio.create_task(watchdog())
     await stop.wait()

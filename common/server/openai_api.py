@@ -17,13 +17,14 @@ from aiohttp import web
 from common.engine.tokenizer import ChatTemplateError
 from common.messages.scheduler_input import GenerateRequest
 from common.server import sse
-from common.server.context import ServerContext, abort_error, collect, stream
+from common.server.context import CTX, ServerContext, abort_error, collect, stream
 from common.server.errors import ApiError, decode_json
 from common.server.frontend import RequestOutput
 from common.server.protocol import (
     ChatBody,
     CompletionBody,
     SamplingParamsBody,
+    dispatch_hints,
     openai_sampling,
     sampling_from_body,
     token_id_lists,
@@ -34,6 +35,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 def _expand(
     ctx: ServerContext,
+    body: CompletionBody | ChatBody,
     prompts: list[list[int]],
     params: SamplingParamsBody,
     asked_max: int | None,
@@ -41,10 +43,9 @@ def _expand(
     max_param: str,
     logprobs: int | None,
     prompt_logprobs: bool,
-    rid: str | None,
-    stream: bool,
 ) -> tuple[str, list[GenerateRequest]]:
-    base = rid or ctx.new_rid()
+    base = body.rid or ctx.new_rid()
+    hints = dispatch_hints(body, len(prompts), ctx.args.num_dp_slots)
     reqs = []
     for p, ids in enumerate(prompts):
         max_new = ctx.limits.resolve_max_new(len(ids), asked_max, default_max, max_param)
@@ -58,10 +59,12 @@ def _expand(
                     rid=f"{base}-{p * params.n + c}" if multi else base,
                     input_ids=ids,
                     sampling=sampling,
-                    stream=stream,
+                    stream=body.stream,
                     return_logprob=logprobs is not None,
                     logprob_start_len=0 if prompt_logprobs else -1,
                     top_logprobs_num=logprobs or 0,
+                    routed_dp_rank=hints[p][0],
+                    bootstrap_room=hints[p][1],
                 )
             )
     return base, reqs
@@ -122,7 +125,7 @@ def _completion_logprobs(ctx: ServerContext, out: RequestOutput, first: int, k: 
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     ctx.check_accepting()
     body = decode_json(await request.read(), CompletionBody)
     if body.suffix:
@@ -134,8 +137,8 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
         ctx.limits.check_prompt(ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
     params = openai_sampling(body)
     base, reqs = _expand(
-        ctx, prompts, params, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens",
-        body.logprobs, body.echo and body.logprobs is not None, body.rid, body.stream,
+        ctx, body, prompts, params, body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
+        "max_tokens", body.logprobs, body.echo and body.logprobs is not None,
     )
     ctx.check_rids_free(reqs)
     created = int(time.time())
@@ -232,7 +235,7 @@ def _chat_logprobs(ctx: ServerContext, out: RequestOutput, first: int, last: int
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     ctx.check_accepting()
     body = decode_json(await request.read(), ChatBody)
     if body.top_logprobs and not body.logprobs:
@@ -243,7 +246,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     base, reqs = _expand(
-        ctx, [ids], params, asked, None, param, logprobs, False, body.rid, body.stream
+        ctx, body, [ids], params, asked, None, param, logprobs, False
     )
     ctx.check_rids_free(reqs)
     created = int(time.time())
@@ -308,7 +311,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
 
 
 async def handle_models(request: web.Request) -> web.Response:
-    ctx: ServerContext = request.app["ctx"]
+    ctx: ServerContext = request.app[CTX]
     return web.json_response({"object": "list", "data": [{
         "id": ctx.model_name, "object": "model", "created": int(ctx.started),
         "owned_by": "pdserve", "root": ctx.model_path, "max_model_len": ctx.limits.context_length,

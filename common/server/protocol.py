@@ -52,7 +52,17 @@ class SamplingParamsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     n: NumChoices = 1
 
 
-class GenerateBody(msgspec.Struct, kw_only=True):
+Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+
+
+class DispatchFields(msgspec.Struct, kw_only=True):
+    """Where the DP controller should send the request (SPEC section 2)."""
+
+    routed_dp_rank: Annotated[int, Meta(ge=-(2**31), le=2**31)] | None = None
+    bootstrap_room: Room | list[Room] | None = None
+
+
+class GenerateBody(DispatchFields, kw_only=True):
     text: str | list[str] | None = None
     input_ids: Any = None  # list[int] or list[list[int]]: checked by `token_id_lists`
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
@@ -68,7 +78,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class _OpenAISampling(msgspec.Struct, kw_only=True):
+class _OpenAISampling(DispatchFields, kw_only=True):
     """Fields shared by completions and chat, including vLLM/SGLang extensions."""
 
     model: str | None = None
@@ -156,6 +166,26 @@ class Limits:
                 param,
             )
         return asked
+
+
+def dispatch_hints(
+    body: DispatchFields, num_prompts: int, num_dp_slots: int
+) -> list[tuple[int | None, int | None]]:
+    """(routed_dp_rank, bootstrap_room) per prompt; a list of rooms gives one per prompt."""
+    rank = body.routed_dp_rank
+    if rank is not None and not 0 <= rank < num_dp_slots:
+        raise ApiError(
+            f"routed_dp_rank {rank} is out of range [0, {num_dp_slots})", "routed_dp_rank"
+        )
+    rooms = body.bootstrap_room
+    if isinstance(rooms, list):
+        if len(rooms) != num_prompts:
+            raise ApiError(
+                f"bootstrap_room has {len(rooms)} entries for {num_prompts} prompts",
+                "bootstrap_room",
+            )
+        return [(rank, room) for room in rooms]
+    return [(rank, rooms)] * num_prompts
 
 
 def token_id_lists(value: Any, param: str) -> list[list[int]] | None:

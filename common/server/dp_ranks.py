@@ -1,0 +1,100 @@
+"""The front end's view of its DP ranks: slot states, the load board, elastic changes.
+
+Slot states mirror the controller's (`common/dp/dispatch.py`): ACTIVE ranks take requests,
+RESERVED slots are not started or were removed, UNAVAILABLE ranks died. Changes made here are
+sent to the controller as `SetSlotState`, so both sides agree:
+
+    activate(k):    start scheduler-k if it is not running (blocks a worker thread, not the
+                    event loop) -> ACTIVE
+    deactivate(k):  ACTIVE -> RESERVED: no new requests; those running finish normally
+    mark_dead(k):   any -> UNAVAILABLE; its in-flight requests fail with 503
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.dp.dispatch import SlotState
+from common.loads.board import LoadBoard
+from common.loads.snapshot import LoadSnapshot
+from common.messages.scheduler_input import SetSlotState
+from common.server.errors import ApiError
+from common.server.frontend import FrontEnd
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DpRanks:
+    method: str
+    num_active: int
+    num_slots: int
+    board: LoadBoard
+    frontend: FrontEnd
+    uses_controller: bool
+    start_scheduler: Callable[[int], None]
+    is_running: Callable[[int], bool]
+    states: list[SlotState] = field(default_factory=list)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:
+        self.states = [SlotState.ACTIVE] * self.num_active + [SlotState.RESERVED] * (
+            self.num_slots - self.num_active
+        )
+
+    @property
+    def available(self) -> list[int]:
+        return [r for r, s in enumerate(self.states) if s is SlotState.ACTIVE]
+
+    @property
+    def unavailable(self) -> list[int]:
+        return [r for r, s in enumerate(self.states) if s is SlotState.UNAVAILABLE]
+
+    def loads(self) -> list[LoadSnapshot | None]:
+        return self.board.read_all()
+
+    def mark_dead(self, rank: int, reason: str) -> None:
+        self._set(rank, SlotState.UNAVAILABLE)
+        self.frontend.fail_rank(rank, reason)
+
+    async def activate(self, rank: int) -> None:
+        self._check_rank(rank)
+        async with self._lock:
+            if self.states[rank] is SlotState.ACTIVE:
+                return
+            if not self.is_running(rank):
+                loop = asyncio.get_running_loop()
+                try:
+                    await loop.run_in_executor(None, self.start_scheduler, rank)
+                except RuntimeError as exc:
+                    raise ApiError(f"could not start DP rank {rank}: {exc}", None, 503) from None
+            self._set(rank, SlotState.ACTIVE)
+
+    async def deactivate(self, rank: int) -> None:
+        self._check_rank(rank)
+        async with self._lock:
+            if self.states[rank] is SlotState.ACTIVE and len(self.available) == 1:
+                raise ApiError("cannot remove the last active DP rank", "dp_rank", 409)
+            if self.states[rank] is SlotState.ACTIVE:
+                self._set(rank, SlotState.RESERVED)
+
+    def _check_rank(self, rank: int) -> None:
+        if not self.uses_controller:
+            raise ApiError("this service has a single DP slot; start it with --max-ep-size",
+                           "dp_rank", 409)
+        if not 0 <= rank < self.num_slots:
+            raise ApiError(f"dp_rank {rank} is out of range [0, {self.num_slots})", "dp_rank",
+                           404)
+
+    def _set(self, rank: int, state: SlotState) -> None:
+        self.states[rank] = state
+        if state is SlotState.ACTIVE:
+            self.frontend.live_ranks.add(rank)
+        else:
+            self.frontend.live_ranks.discard(rank)
+        if self.uses_controller:
+            self.frontend.send_control(SetSlotState(dp_rank=rank, state=state.value))
+        logger.info("DP rank %d is now %s", rank, state.value)
