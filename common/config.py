@@ -42,6 +42,9 @@ class ServerArgs:
     load_balance_method: str = "auto"
     load_refresh_interval: float = 0.02
     load_publish_steps: int = 8
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     random_seed: int = 0
     graceful_shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -76,6 +79,15 @@ class ServerArgs:
              "--load-refresh-interval must be >= 0"),
             (self.load_publish_steps, self.load_publish_steps >= 1,
              "--load-publish-steps must be >= 1"),
+            (self.nnodes, self.nnodes >= 1, "--nnodes must be >= 1"),
+            (self.node_rank, 0 <= self.node_rank < self.nnodes,
+             "--node-rank must be in [0, --nnodes)"),
+            (self.dist_init_addr, self.nnodes == 1 or _host_port(self.dist_init_addr),
+             "--dist-init-addr HOST:PORT is required with --nnodes > 1"),
+            (self.dp_size, self.nnodes == 1 or (
+                self.dp_size % self.nnodes == 0 and self.num_dp_slots == self.dp_size),
+             "with --nnodes > 1, --dp-size must be a multiple of --nnodes (and --max-ep-size, "
+             "if set, equal to --dp-size)"),
             (self.graceful_shutdown_timeout, self.graceful_shutdown_timeout >= 0,
              "--graceful-shutdown-timeout must be >= 0"),
         ]
@@ -90,6 +102,13 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _host_port(addr: str | None) -> bool:
+    if not addr or ":" not in addr:
+        return False
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536 - 1024
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +148,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     a("--load-publish-steps", type=int, default=d.load_publish_steps,
       help="a rank publishes its load snapshot at least every N steps (and after every "
            "prefill batch, and when idle)")
+    a("--nnodes", type=int, default=d.nnodes,
+      help="machines sharing the DP ranks of one service; node 0 runs the HTTP front end")
+    a("--node-rank", type=int, default=d.node_rank)
+    a("--dist-init-addr", default=d.dist_init_addr,
+      help="HOST:PORT of node 0; it binds PORT and the ports just above it for the other "
+           "nodes' schedulers")
     a("--random-seed", type=int, default=d.random_seed)
     a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
       help="seconds SIGTERM waits for in-flight requests before aborting them")

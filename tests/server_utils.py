@@ -30,6 +30,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(size: int) -> int:
+    """A port p such that p .. p + size - 1 are all free right now."""
+    for _ in range(100):
+        base = free_port()
+        if base + size >= 65536:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + size):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports found")
+
+
 def http_json(url: str, body: object | None = None, timeout: float = 60.0) -> tuple[int, object]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})

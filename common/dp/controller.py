@@ -4,6 +4,7 @@
       -> Dispatcher picks a rank           -> PUSH scheduler_input[rank]
       -> DispatchReport (ranks, failures)  -> PUSH frontend_input
     replies go scheduler -> detokenizer -> front end, never through here.
+    PULL load relay (multi-node, load-aware methods only): other nodes' snapshots -> board
 
 It blocks on the poller when there is nothing to read, and survives every per-request error:
 a request that cannot be placed gets a DispatchFailure (HTTP 4xx/503 for that client only).
@@ -20,18 +21,27 @@ from multiprocessing.connection import Connection
 import zmq
 
 from common.config import ServerArgs
-from common.dp.dispatch import DispatchError, DispatchItem, Dispatcher, SlotState
+from common.dp.dispatch import LOAD_AWARE, DispatchError, DispatchItem, Dispatcher, SlotState
 from common.loads.board import LoadBoard
+from common.loads.relay import bind_relay, write_relayed
 from common.messages import frontend_input, launch, scheduler_input
 from common.messages.frontend_input import DispatchFailure, DispatchReport
 from common.server.ipc import IpcPaths
+from common.server.topology import Topology
 from common.server.process_utils import configure_logging, die_with_parent, report
 
 logger = logging.getLogger(__name__)
 
 
 class ControllerLoop:
-    def __init__(self, dispatcher: Dispatcher, ipc: IpcPaths, ctx: zmq.Context | None = None):
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        ipc: IpcPaths,
+        topology: Topology | None = None,
+        relay_board: LoadBoard | None = None,
+        ctx: zmq.Context | None = None,
+    ):
         self.dispatcher = dispatcher
         self.ctx = ctx or zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
@@ -39,8 +49,18 @@ class ControllerLoop:
         self.workers = []
         for rank in range(dispatcher.num_slots):
             sock = self.ctx.socket(zmq.PUSH)
-            sock.connect(ipc.scheduler_input_of(rank))
+            if topology is None or topology.on_node0(rank):
+                sock.connect(ipc.scheduler_input_of(rank))
+            else:
+                sock.bind(topology.remote_scheduler_input(rank))  # the remote rank connects
             self.workers.append(sock)
+        # With load-aware dispatch on several nodes, this process owns the load relay PULL.
+        self.relay_board = relay_board
+        self.relay = bind_relay(self.ctx, topology.load_relay) if relay_board else None
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv, zmq.POLLIN)
+        if self.relay is not None:
+            self.poller.register(self.relay, zmq.POLLIN)
         self.to_frontend = self.ctx.socket(zmq.PUSH)
         self.to_frontend.connect(ipc.frontend_input)
         self.num_dispatched = 0
@@ -51,7 +71,8 @@ class ControllerLoop:
 
     def run_forever(self) -> None:
         while True:
-            self.handle(scheduler_input.decoder.decode(self.recv.recv()))
+            self.poller.poll()
+            self._drain_relay()
             # Everything already queued is handled before reporting, so reports batch up.
             while True:
                 try:
@@ -60,6 +81,14 @@ class ControllerLoop:
                     break
                 self.handle(scheduler_input.decoder.decode(raw))
             self.flush_report()
+
+    def _drain_relay(self) -> None:
+        while self.relay is not None:
+            try:
+                raw = self.relay.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            write_relayed(self.relay_board, raw)
 
     # ---- message handling ----------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -115,7 +144,9 @@ def run_controller_process(
             read_loads=board.read_all if board else None,
             refresh_interval=args.load_refresh_interval,
         )
-        loop = ControllerLoop(dispatcher, ipc)
+        topology = Topology.from_args(args)
+        owns_relay = topology.multi_node and method in LOAD_AWARE
+        loop = ControllerLoop(dispatcher, ipc, topology, board if owns_relay else None)
     except Exception as exc:
         report(ready, launch.StartupFailed(name="dp-controller", error=f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None

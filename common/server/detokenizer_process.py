@@ -25,6 +25,7 @@ from common.messages import detokenizer_input, frontend_input, launch
 from common.messages.detokenizer_input import TokenDelta
 from common.messages.frontend_input import TextDelta
 from common.server.ipc import IpcPaths
+from common.server.topology import Topology
 from common.server.process_utils import configure_logging, die_with_parent, report
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,9 @@ def run_detokenizer_process(
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         recv.bind(ipc.detokenizer_input)
+        topo = Topology.from_args(args)
+        if topo.multi_node:
+            recv.bind(topo.detokenizer_tcp)  # schedulers of the other nodes
         send = ctx.socket(zmq.PUSH)
         send.connect(ipc.frontend_input)
     except Exception as exc:

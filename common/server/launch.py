@@ -38,7 +38,9 @@ from common.server.dp_ranks import DpRanks
 from common.server.metrics import ServiceMetrics
 from common.server.scheduler_process import run_scheduler_process
 from common.dp.controller import run_controller_process
-from common.dp.dispatch import resolve_method
+from common.dp.dispatch import LOAD_AWARE, resolve_method
+from common.loads.relay import bind_relay, relay_forever
+from common.server.topology import Topology
 from common.loads.board import LoadBoard
 
 logger = logging.getLogger("pdserve")
@@ -71,8 +73,11 @@ class ServiceTree:
         if warning:
             logger.warning("%s", warning)
         self.uses_controller = args.num_dp_slots > 1
+        self.topology = Topology.from_args(args)
+        self.is_head = args.node_rank == 0
         self.ipc = IpcPaths.create()
-        self.board = LoadBoard.create(args.num_dp_slots)
+        # Only node 0 has a board: other nodes relay their snapshots to it.
+        self.board = LoadBoard.create(args.num_dp_slots) if self.is_head else None
         self.children: dict[str, BaseProcess] = {}
         self.scheduler_info: launch.SchedulerReady | None = None
         self.dead: set[str] = set()
@@ -83,10 +88,12 @@ class ServiceTree:
             self.args.dp_size, self.args.num_dp_slots, self.method,
             "" if self.uses_controller else " (no controller: a single rank)",
         )
-        pending = [self._spawn_scheduler(rank) for rank in range(self.args.dp_size)]
-        pending.append(self._spawn("detokenizer", run_detokenizer_process,
-                                   (self.args, self.model_path, self.ipc)))
-        if self.uses_controller:
+        ranks = [r for r in self.topology.local_ranks if r < self.args.dp_size]
+        pending = [self._spawn_scheduler(rank) for rank in ranks]
+        if self.is_head:
+            pending.append(self._spawn("detokenizer", run_detokenizer_process,
+                                       (self.args, self.model_path, self.ipc)))
+        if self.is_head and self.uses_controller:
             pending.append(self._spawn(
                 "dp-controller", run_controller_process,
                 (self.args, self.method, self.ipc, self.board.path, self.board.board_id),
@@ -104,7 +111,8 @@ class ServiceTree:
     def _spawn_scheduler(self, rank: int) -> tuple[str, Connection]:
         return self._spawn(
             f"scheduler-{rank}", run_scheduler_process,
-            (self.args, self.model_path, self.ipc, rank, self.board.path, self.board.board_id),
+            (self.args, self.model_path, self.ipc, rank,
+             self.board.path if self.board else None, self.board.board_id if self.board else 0),
         )
 
     def _spawn(self, name: str, target, args: tuple) -> tuple[str, Connection]:
@@ -169,7 +177,8 @@ class ServiceTree:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-        self.board.unlink()
+        if self.board is not None:
+            self.board.unlink()
         self.ipc.remove()
 
 
@@ -183,6 +192,11 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
     else:
         frontend = FrontEnd(tree.ipc, tree.ipc.scheduler_input_of(0), on_finish=metrics.on_finish)
     frontend.start()
+    relay_task = None
+    if tree.topology.multi_node and tree.method not in LOAD_AWARE:
+        # The front end owns the load relay PULL when the controller does not need loads.
+        relay_sock = bind_relay(frontend.ctx, tree.topology.load_relay)
+        relay_task = asyncio.create_task(relay_forever(relay_sock, board))
     dp = DpRanks(
         method=tree.method,
         num_active=args.dp_size,
@@ -246,8 +260,26 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
             frontend.fail_all("the server is shutting down")
             await asyncio.sleep(0.1)  # let handlers answer their clients
     await runner.cleanup()
+    if relay_task is not None:
+        relay_task.cancel()
     await frontend.close()
     return exit_code
+
+
+def serve_worker_node(tree: ServiceTree) -> int:
+    """Node k > 0: only this node's schedulers, connected to node 0; no HTTP port. Runs until
+    SIGTERM/SIGINT or until one of its schedulers dies (exit status 1)."""
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    logger.info("node %d serving DP ranks %s for %s", tree.args.node_rank,
+                list(tree.topology.local_ranks), tree.args.dist_init_addr)
+    while not stopping:
+        for _name, reason in tree.newly_dead():
+            logger.critical("%s; stopping this node", reason)
+            return 1
+        time.sleep(WATCHDOG_INTERVAL)
+    return 0
 
 
 def serve(args: ServerArgs) -> int:
@@ -260,6 +292,8 @@ def serve(args: ServerArgs) -> int:
     tree = ServiceTree(args, model_path)
     try:
         tree.start_children()
+        if not tree.is_head:
+            return serve_worker_node(tree)
         tokenizer = Tokenizer.from_model_path(model_path)
         return asyncio.run(serve_http(tree, tokenizer))
     except RuntimeError as exc:

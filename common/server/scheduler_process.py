@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -27,8 +28,11 @@ from common.engine.engine import EngineCore
 from common.engine.loader import load_engine_parts
 from common.engine.tokenizer import Tokenizer
 from common.loads.board import LoadBoard
+from common.loads.relay import RelayPublisher
+from common.loads.snapshot import LoadSnapshot
 from common.messages import detokenizer_input, launch, scheduler_input
 from common.server.ipc import IpcPaths
+from common.server.topology import Topology
 from common.server.process_utils import configure_logging, die_with_parent, report
 
 logger = logging.getLogger(__name__)
@@ -38,16 +42,18 @@ IDLE_HEARTBEAT_MS = 1000
 
 class SchedulerLoop:
     def __init__(
-        self, engine: EngineCore, ipc: IpcPaths, board: LoadBoard | None, publish_steps: int
+        self,
+        engine: EngineCore,
+        ctx: zmq.Context,
+        recv: zmq.Socket,
+        send: zmq.Socket,
+        publish: Callable[[LoadSnapshot], None] | None,
+        publish_steps: int,
     ):
         self.engine = engine
-        self.board = board
+        self._publish = publish
         self.publish_steps = publish_steps
-        self.ctx = zmq.Context()
-        self.recv = self.ctx.socket(zmq.PULL)
-        self.recv.bind(ipc.scheduler_input_of(engine.dp_rank))
-        self.send = self.ctx.socket(zmq.PUSH)
-        self.send.connect(ipc.detokenizer_input)
+        self.ctx, self.recv, self.send = ctx, recv, send
         self.poller = zmq.Poller()
         self.poller.register(self.recv, zmq.POLLIN)
         self._steps_since_publish = 0
@@ -73,8 +79,8 @@ class SchedulerLoop:
 
     def publish(self) -> None:
         self._steps_since_publish = 0
-        if self.board is not None:
-            self.board.write(self.engine.load_snapshot())
+        if self._publish is not None:
+            self._publish(self.engine.load_snapshot())
 
     def _drain_inputs(self) -> None:
         while True:
@@ -104,10 +110,29 @@ class SchedulerLoop:
             self.send.send(detokenizer_input.encoder.encode(batch))
 
 
+def _endpoints(args: ServerArgs, ipc: IpcPaths | None, dp_rank: int, board_path: str | None,
+               board_id: int):
+    """Sockets and snapshot publisher of one rank: IPC and the board on node 0, TCP to node 0
+    and the load relay on other nodes (see `topology.py`)."""
+    topo = Topology.from_args(args)
+    ctx = zmq.Context()
+    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    if topo.on_node0(dp_rank):
+        recv.bind(ipc.scheduler_input_of(dp_rank))
+        send.connect(ipc.detokenizer_input)
+        board = LoadBoard.attach(board_path, args.num_dp_slots, board_id) if board_path else None
+        publish = board.write if board is not None else None
+    else:
+        recv.connect(topo.remote_scheduler_input(dp_rank))
+        send.connect(topo.detokenizer_tcp)
+        publish = RelayPublisher(ctx, topo.load_relay).publish
+    return ctx, recv, send, publish
+
+
 def run_scheduler_process(
     args: ServerArgs,
     model_path: str,
-    ipc: IpcPaths,
+    ipc: IpcPaths | None,
     dp_rank: int,
     board_path: str | None,
     board_id: int,
@@ -120,8 +145,8 @@ def run_scheduler_process(
             torch.set_num_threads(args.torch_num_threads)
         loaded = load_engine_parts(args, model_path)
         engine = EngineCore(args, loaded, Tokenizer.from_model_path(model_path), dp_rank)
-        board = LoadBoard.attach(board_path, args.num_dp_slots, board_id) if board_path else None
-        loop = SchedulerLoop(engine, ipc, board, args.load_publish_steps)
+        loop = SchedulerLoop(engine, *_endpoints(args, ipc, dp_rank, board_path, board_id),
+                             args.load_publish_steps)
     except Exception as exc:  # start-up errors go back to the launcher, which prints them
         logger.debug("start-up failed:\n%s", traceback.format_exc())
         report(ready, launch.StartupFailed(name=f"scheduler-{dp_rank}",
