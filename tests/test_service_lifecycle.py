@@ -152,6 +152,9 @@ def test_idle_service_stops_cleanly(tiny_llama_dir, sig):
     server = ServerProcess(tiny_llama_dir, "--max-total-tokens", "1024")
     with server:
         children = child_pids(server)
+        board = http_json(server.url + "/get_server_info")[1]["load_board"]
+        assert os.path.exists(board)
         server.proc.send_signal(sig)
         assert server.proc.wait(20) == 0
     assert all_gone(children)
+    assert not os.path.exists(board), "the load board is removed on shutdown"

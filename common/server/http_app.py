@@ -105,6 +105,7 @@ async def handle_server_info(request: web.Request) -> web.Response:
     if ctx.dp is not None:
         info["load_balance_method"] = ctx.dp.method  # the resolved method, not "auto"
         info["dp_rank_states"] = [s.value for s in ctx.dp.states]
+        info["load_board"] = ctx.dp.board.path
     try:
         info["internal_states"] = [msgspec.to_builtins(s) for s in await ctx.frontend.stats()]
     except (RuntimeError, asyncio.TimeoutError) as exc:
