@@ -26,7 +26,7 @@ from common.loads.board import LoadBoard
 from common.loads.relay import bind_relay, write_relayed
 from common.messages import frontend_input, launch, scheduler_input
 from common.messages.frontend_input import DispatchFailure, DispatchReport
-from common.server.ipc import IpcPaths
+from common.server.ipc import IpcPaths, drain_nowait
 from common.server.topology import Topology
 from common.server.process_utils import configure_logging, die_with_parent, report
 
@@ -72,23 +72,13 @@ class ControllerLoop:
     def run_forever(self) -> None:
         while True:
             self.poller.poll()
-            self._drain_relay()
+            if self.relay is not None:
+                for raw in drain_nowait(self.relay):
+                    write_relayed(self.relay_board, raw)
             # Everything already queued is handled before reporting, so reports batch up.
-            while True:
-                try:
-                    raw = self.recv.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for raw in drain_nowait(self.recv):
                 self.handle(scheduler_input.decoder.decode(raw))
             self.flush_report()
-
-    def _drain_relay(self) -> None:
-        while self.relay is not None:
-            try:
-                raw = self.relay.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            write_relayed(self.relay_board, raw)
 
     # ---- message handling ----------------------------------------------------------------
     def handle(self, msg) -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import zmq
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,3 +35,12 @@ class IpcPaths:
     def remove(self) -> None:
         if Path(self.folder).exists():
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def drain_nowait(sock: zmq.Socket) -> Iterator[bytes]:
+    """Every message already queued on `sock`, without blocking."""
+    while True:
+        try:
+            yield sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return

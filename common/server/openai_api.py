@@ -9,7 +9,9 @@ last chunk with empty choices and the usage.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
@@ -81,6 +83,51 @@ def _usage(outs: list[RequestOutput], n: int) -> dict:
     completion = sum(o.completion_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+@dataclass(slots=True)
+class Progress:
+    """What one choice gained since its last chunk."""
+
+    index: int
+    out: RequestOutput
+    text: str  # new text
+    first_id: int  # first output id not yet reported
+    first_chunk: bool
+
+
+async def relay_choices(
+    ctx: ServerContext,
+    reqs: list[GenerateRequest],
+    response: web.StreamResponse,
+    chunks_for: Callable[[Progress], list[dict]],
+    usage_chunk: Callable[[dict], dict] | None,
+    n: int,
+) -> None:
+    """The streaming loop both OpenAI routes share: for every update of any choice, send the
+    chunks `chunks_for` builds from its progress; an error ends the stream with an error event;
+    `usage_chunk` (stream_options.include_usage) closes it with the usage of all choices."""
+    sent_text = [0] * len(reqs)
+    sent_ids = [0] * len(reqs)
+    finals: dict[int, RequestOutput] = {}
+    async with aclosing(stream(ctx, reqs)) as events:
+        async for i, out in events:
+            if (error := abort_error(out)) is not None:
+                await sse.send_event(response, error.body())
+                break
+            progress = Progress(i, out, out.text[sent_text[i]:], sent_ids[i],
+                                sent_ids[i] == 0 and sent_text[i] == 0)
+            if progress.text or out.finished or len(out.output_ids) > sent_ids[i]:
+                for payload in chunks_for(progress):
+                    await sse.send_event(response, payload)
+            sent_text[i], sent_ids[i] = len(out.text), len(out.output_ids)
+            if out.finished:
+                finals[i] = out
+        else:
+            if usage_chunk is not None:
+                outs = [finals[i] for i in range(len(reqs))]
+                await sse.send_event(response, usage_chunk(_usage(outs, n)))
+    await sse.send_done(response)
 
 
 def _token_str(ctx: ServerContext, token: int) -> str:
@@ -166,34 +213,19 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
             "usage": _usage(outs, params.n),
         })
 
+    def completion_chunk(choices: list, **extra) -> dict:
+        return {"id": cid, "object": "text_completion", "created": created,
+                "model": ctx.model_name, "choices": choices, **extra}
+
+    def chunks_for(p: Progress) -> list[dict]:
+        text = echo_texts[p.index] + p.text if body.echo and p.first_chunk else p.text
+        return [completion_chunk([choice(p.index, p.out, text, p.first_id, p.first_chunk)])]
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
     response = await sse.open_stream(request)
-    sent_text = [0] * len(reqs)
-    sent_ids = [0] * len(reqs)
-    finals: dict[int, RequestOutput] = {}
-    async with aclosing(stream(ctx, reqs)) as events:
-        async for i, out in events:
-            if (error := abort_error(out)) is not None:
-                await sse.send_event(response, error.body())
-                break
-            delta = out.text[sent_text[i]:]
-            first_chunk = sent_ids[i] == 0 and sent_text[i] == 0
-            if body.echo and first_chunk:
-                delta = echo_texts[i] + delta
-            if delta or out.finished or len(out.output_ids) > sent_ids[i]:
-                c = choice(i, out, delta, sent_ids[i], first_chunk)
-                await sse.send_event(response, {"id": cid, "object": "text_completion",
-                                                "created": created, "model": ctx.model_name,
-                                                "choices": [c]})
-            sent_text[i], sent_ids[i] = len(out.text), len(out.output_ids)
-            if out.finished:
-                finals[i] = out
-        else:
-            if body.stream_options is not None and body.stream_options.include_usage:
-                outs = [finals[i] for i in range(len(reqs))]
-                await sse.send_event(response, {"id": cid, "object": "text_completion",
-                                                "created": created, "model": ctx.model_name,
-                                                "choices": [], "usage": _usage(outs, params.n)})
-    await sse.send_done(response)
+    await relay_choices(ctx, reqs, response, chunks_for,
+                        (lambda usage: completion_chunk([], usage=usage)) if include_usage
+                        else None, params.n)
     return response
 
 
@@ -279,34 +311,22 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         await sse.send_event(response, chunk([{"index": i, "delta": {"role": "assistant",
                                                                      "content": ""},
                                                "logprobs": None, "finish_reason": None}]))
-    sent_text = [0] * len(reqs)
-    sent_ids = [0] * len(reqs)
-    finals: dict[int, RequestOutput] = {}
-    async with aclosing(stream(ctx, reqs)) as events:
-        async for i, out in events:
-            if (error := abort_error(out)) is not None:
-                await sse.send_event(response, error.body())
-                break
-            delta = out.text[sent_text[i]:]
-            if delta or len(out.output_ids) > sent_ids[i] or out.finished:
-                lp = (_chat_logprobs(ctx, out, sent_ids[i], len(out.output_ids), k)
-                      if body.logprobs else None)
-                if delta or (lp and lp["content"]):
-                    content = {"index": i, "delta": {"content": delta}, "logprobs": lp,
-                               "finish_reason": None}
-                    await sse.send_event(response, chunk([content]))
-                if out.finished:
-                    final = {"index": i, "delta": {}, "logprobs": None,
-                             "finish_reason": _finish_reason(out)}
-                    await sse.send_event(response, chunk([final]))
-            sent_text[i], sent_ids[i] = len(out.text), len(out.output_ids)
-            if out.finished:
-                finals[i] = out
-        else:
-            if body.stream_options is not None and body.stream_options.include_usage:
-                outs = [finals[i] for i in range(len(reqs))]
-                await sse.send_event(response, chunk([], usage=_usage(outs, params.n)))
-    await sse.send_done(response)
+    def chunks_for(p: Progress) -> list[dict]:
+        payloads = []
+        lp = (_chat_logprobs(ctx, p.out, p.first_id, len(p.out.output_ids), k)
+              if body.logprobs else None)
+        if p.text or (lp and lp["content"]):
+            payloads.append(chunk([{"index": p.index, "delta": {"content": p.text},
+                                    "logprobs": lp, "finish_reason": None}]))
+        if p.out.finished:
+            payloads.append(chunk([{"index": p.index, "delta": {}, "logprobs": None,
+                                    "finish_reason": _finish_reason(p.out)}]))
+        return payloads
+
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    await relay_choices(ctx, reqs, response, chunks_for,
+                        (lambda usage: chunk([], usage=usage)) if include_usage else None,
+                        params.n)
     return response
 
 

@@ -31,7 +31,7 @@ from common.loads.board import LoadBoard
 from common.loads.relay import RelayPublisher
 from common.loads.snapshot import LoadSnapshot
 from common.messages import detokenizer_input, launch, scheduler_input
-from common.server.ipc import IpcPaths
+from common.server.ipc import IpcPaths, drain_nowait
 from common.server.topology import Topology
 from common.server.process_utils import configure_logging, die_with_parent, report
 
@@ -67,7 +67,8 @@ class SchedulerLoop:
                 self.publish()
                 self._published_idle = True
             if self.poller.poll(0 if busy else IDLE_HEARTBEAT_MS):
-                self._drain_inputs()
+                for raw in drain_nowait(self.recv):
+                    self.handle(scheduler_input.decoder.decode(raw))
             elif not busy:
                 self.publish()  # heartbeat
                 continue
@@ -81,14 +82,6 @@ class SchedulerLoop:
         self._steps_since_publish = 0
         if self._publish is not None:
             self._publish(self.engine.load_snapshot())
-
-    def _drain_inputs(self) -> None:
-        while True:
-            try:
-                raw = self.recv.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.handle(scheduler_input.decoder.decode(raw))
 
     def handle(self, msg) -> None:
         if isinstance(msg, scheduler_input.GenerateRequest):
