@@ -90,3 +90,14 @@ def test_retraction_keeps_greedy_outputs(tiny_llama_dir):
     for rid in prompts:
         assert tight.outputs[rid] == roomy.outputs[rid]
     assert tight.pool_whole and roomy.pool_whole
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama", "qwen3"], indirect=True)
+def test_equal_length_fresh_prompts_match_hf(tiny_model_dir):
+    """Equal-length fresh prompts take the batched causal path that skips the pool read."""
+    prompts = {f"r{i}": list(range(10 + 7 * i, 22 + 7 * i)) for i in range(3)}
+    harness = EngineHarness(tiny_model_dir, page_size=4)
+    for rid, p in prompts.items():
+        harness.add(rid, p, greedy(NEW_TOKENS))
+    harness.run()
+    check_against_hf(hf_model(tiny_model_dir), harness, prompts)

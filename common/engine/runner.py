@@ -84,6 +84,7 @@ class ModelRunner:
             dtype=torch.int64,
         )
         kv_slots = (page_table[:, :, None] * ps + torch.arange(ps)).view(batch, -1)[:, :max_kv]
+        kv_slots = kv_slots.contiguous()
         starts_t = torch.tensor(starts)
         lengths_t = torch.tensor(lengths)
         kv_lens_t = torch.tensor(kv_lens)
@@ -95,8 +96,12 @@ class ModelRunner:
         rows = torch.arange(batch)[:, None].expand(batch, max_q)[valid_q]
         out_slots = kv_slots[rows, positions]
 
-        fresh_causal = batch == 1 and starts[0] == 0 and max_q > 1 and (
-            self.sliding_window is None or max_q <= self.sliding_window
+        # Fresh prompts of one length need neither the pool nor a mask: SDPA's causal path.
+        fresh_causal = (
+            max_q > 1
+            and all(st == 0 for st in starts)
+            and all(n == max_q for n in lengths)
+            and (self.sliding_window is None or max_q <= self.sliding_window)
         )
         attn_mask = q_gather = q_scatter = None
         if not fresh_causal:
@@ -106,7 +111,9 @@ class ModelRunner:
             )
             if self.sliding_window is not None:
                 visible &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
-            if not (max_q == 1 and batch == 1 and self.sliding_window is None):
+            # Decode rows of one length see every slot: no mask needed.
+            uniform_decode = max_q == 1 and min(kv_lens) == max_kv
+            if not (uniform_decode and self.sliding_window is None):
                 attn_mask = visible.unsqueeze(1).to(dev)
             if max_q > 1:
                 seg_offsets = torch.cumsum(lengths_t, 0) - lengths_t
