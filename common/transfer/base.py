@@ -1,0 +1,92 @@
+"""The KV transfer interface shared by every backend, and page-run coalescing.
+
+Per-request transfer states (SPEC section 4), monotonic, Failed sticky:
+
+    Bootstrapping -> WaitingForInput -> Transferring -> Success
+          \\________________\\_______________\\_______> Failed
+
+A backend moves, for one request, the KV of `src_pages` in the sender's pool into `dst_pages`
+of the receiver's pool, for every layer, K and V. Pages are the pool's unit
+(`common/engine/kv_pool.py`): consecutive page ids are one contiguous block per layer, so a
+transfer is described as *runs* contiguous on both sides (`contiguous_runs`), never as single
+pages: per-page entries cost up to 3x (see shared/TRANSFER.md).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+
+class KVPoll(enum.IntEnum):
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class TransferState:
+    """A monotonic KVPoll holder: states only move forward; Failed is sticky."""
+
+    def __init__(self) -> None:
+        self.state = KVPoll.Bootstrapping
+        self.reason: str | None = None
+
+    def advance(self, state: KVPoll) -> None:
+        if self.state is KVPoll.Failed or self.state is KVPoll.Success:
+            return
+        if state is KVPoll.Failed or state > self.state:
+            self.state = state
+
+    def fail(self, reason: str) -> None:
+        if self.state is not KVPoll.Failed and self.state is not KVPoll.Success:
+            self.reason = reason
+            self.state = KVPoll.Failed
+
+
+class PageRun(msgspec.Struct, array_like=True, frozen=True):
+    """`length` pages from `src` in the sender's pool to `dst` in the receiver's."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def contiguous_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[PageRun]:
+    """Group page pairs into runs that are consecutive on both sides."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    runs: list[PageRun] = []
+    i = 0
+    while i < len(src_pages):
+        j = i + 1
+        while (
+            j < len(src_pages)
+            and src_pages[j] == src_pages[j - 1] + 1
+            and dst_pages[j] == dst_pages[j - 1] + 1
+        ):
+            j += 1
+        runs.append(PageRun(src_pages[i], dst_pages[i], j - i))
+        i = j
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What both sides must agree on before any byte moves."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def check_compatible(self, other: KVLayout) -> None:
+        for field in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine != theirs:
+                raise ValueError(f"KV layout mismatch: {field} is {mine} here, {theirs} on the peer")

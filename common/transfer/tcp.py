@@ -1,0 +1,265 @@
+"""`tcp` backend: KV pages over plain TCP sockets, page runs streamed straight from the sender's
+pool into the receiver's pool (no intermediate buffer on CPU pools).
+
+Receiver (decode side), one `TcpKVReceiver` per pool:
+    expect(room, dst_pages)   register a request: WaitingForInput
+    a sender connects         header checked against the registration: Transferring
+    bytes arrive              recv_into the destination slices, layer by layer, K then V
+    trailer arrives           first output token + logprob: Success (or Failed on any error)
+    forget(room)              drop the record once decode has consumed the result
+
+Sender (prefill side), `TcpKVSender.send(...)` runs one transfer in a worker thread and returns
+its `TransferState` to poll: Transferring -> Success once the receiver acknowledged, or Failed.
+
+Wire format per connection (one request):
+    u32 length + msgpack TransferHeader, the raw run bytes, u32 length + msgpack
+    TransferTrailer; the receiver answers one byte (1 ok, 0 refused) after the header and again
+    after the trailer.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from common.engine.kv_pool import PagedKVPool
+from common.transfer.base import KVLayout, KVPoll, PageRun, TransferState, contiguous_runs
+
+logger = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
+MAX_HEADER = 64 << 20
+
+
+class TransferHeader(msgspec.Struct, kw_only=True, frozen=True):
+    room: int
+    runs: list[PageRun]
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class TransferTrailer(msgspec.Struct, kw_only=True, frozen=True):
+    """What decode needs besides the KV: the first output token and its logprob."""
+
+    first_token: int
+    logprob: float | None = None
+
+
+def pool_layout(pool: PagedKVPool) -> KVLayout:
+    _, _, heads, dim = pool.k.shape
+    return KVLayout(pool.k.shape[0], pool.page_size, heads, dim, str(pool.k.dtype))
+
+
+def _run_slices(pool: PagedKVPool, run: PageRun, dst: bool):
+    """The pool slices of one run, per layer, K then V (each one contiguous block)."""
+    ps = pool.page_size
+    first = (run.dst if dst else run.src) * ps
+    for layer in range(pool.k.shape[0]):
+        yield pool.k[layer, first : first + run.length * ps]
+        yield pool.v[layer, first : first + run.length * ps]
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionError("peer closed the connection mid-transfer")
+        view = view[got:]
+
+
+def _send_msg(sock: socket.socket, msg: msgspec.Struct) -> None:
+    payload = msgspec.msgpack.encode(msg)
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def _recv_msg(sock: socket.socket, type_):
+    (length,) = _LEN.unpack(_recv_exact(sock, 4))
+    if length > MAX_HEADER:
+        raise ValueError(f"message of {length} bytes is too large")
+    return msgspec.msgpack.decode(_recv_exact(sock, length), type=type_)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+
+
+@dataclass
+class _Expected:
+    dst_pages: frozenset[int]
+    state: TransferState
+    trailer: TransferTrailer | None = None
+    busy: bool = False  # a connection may still be writing into the pages
+
+
+class TcpKVReceiver:
+    def __init__(self, pool: PagedKVPool, host: str = "127.0.0.1", port: int = 0):
+        if pool.k.device.type != "cpu":
+            raise ValueError("the tcp backend receives into CPU pools; use the torch backend")
+        self.pool = pool
+        self.layout = pool_layout(pool)
+        self._lock = threading.Lock()
+        self._expected: dict[int, _Expected] = {}
+        self._listener = socket.create_server((host, port))
+        self.endpoint = "%s:%d" % self._listener.getsockname()[:2]
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="kv-recv", daemon=True)
+        self._thread.start()
+
+    # ---- decode-side API ---------------------------------------------------------------
+    def expect(self, room: int, dst_pages: Sequence[int]) -> TransferState:
+        with self._lock:
+            if room in self._expected:
+                raise ValueError(f"bootstrap_room {room} is already expected")
+            record = _Expected(frozenset(dst_pages), TransferState())
+            record.state.advance(KVPoll.WaitingForInput)
+            self._expected[room] = record
+            return record.state
+
+    def poll(self, room: int) -> KVPoll:
+        record = self._expected.get(room)
+        return KVPoll.Failed if record is None else record.state.state
+
+    def trailer(self, room: int) -> TransferTrailer | None:
+        record = self._expected.get(room)
+        return None if record is None else record.trailer
+
+    def cancel(self, room: int, reason: str) -> None:
+        record = self._expected.get(room)
+        if record is not None:
+            record.state.fail(reason)
+
+    def pages_quiescent(self, room: int) -> bool:
+        """False while a connection may still write into this room's pages."""
+        record = self._expected.get(room)
+        return record is None or not record.busy
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._expected.pop(room, None)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    # ---- connections -------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        record = None
+        with conn:
+            try:
+                _tune(conn)
+                header = _recv_msg(conn, TransferHeader)
+                record = self._admit(header)
+                if record is None:
+                    conn.sendall(b"\0")
+                    return
+                conn.sendall(b"\1")
+                for run in header.runs:
+                    for dst in _run_slices(self.pool, run, dst=True):
+                        _recv_into(conn, _bytes_view(dst))
+                record.trailer = _recv_msg(conn, TransferTrailer)
+                record.state.advance(KVPoll.Success)
+                conn.sendall(b"\1")
+            except (OSError, ConnectionError, ValueError, msgspec.DecodeError) as exc:
+                if record is not None:
+                    record.state.fail(f"transfer failed: {exc}")
+            finally:
+                if record is not None:
+                    record.busy = False
+
+    def _admit(self, header: TransferHeader) -> _Expected | None:
+        layout = KVLayout(header.num_layers, header.page_size, header.num_kv_heads,
+                          header.head_dim, header.dtype)
+        with self._lock:
+            record = self._expected.get(header.room)
+            if record is None or record.state.state is not KVPoll.WaitingForInput:
+                return None
+            try:
+                self.layout.check_compatible(layout)
+                pages = {r.dst + i for r in header.runs for i in range(r.length)}
+                if not pages <= record.dst_pages:
+                    raise ValueError("the sender targets pages this room does not own")
+            except ValueError as exc:
+                record.state.fail(str(exc))
+                return None
+            record.busy = True
+            record.state.advance(KVPoll.Transferring)
+            return record
+
+
+class TcpKVSender:
+    def __init__(self, pool: PagedKVPool, timeout: float = 30.0):
+        self.pool = pool
+        self.layout = pool_layout(pool)
+        self.timeout = timeout
+
+    def send(
+        self,
+        endpoint: str,
+        room: int,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        trailer: TransferTrailer,
+    ) -> TransferState:
+        """Starts the transfer in a worker thread; poll the returned state. The source pages
+        must stay untouched until it reaches Success or Failed."""
+        state = TransferState()
+        state.advance(KVPoll.Transferring)
+        runs = contiguous_runs(src_pages, dst_pages)
+        threading.Thread(
+            target=self._run, args=(endpoint, room, runs, trailer, state), daemon=True,
+            name=f"kv-send-{room}",
+        ).start()
+        return state
+
+    def _run(self, endpoint: str, room: int, runs: list[PageRun], trailer: TransferTrailer,
+             state: TransferState) -> None:
+        host, _, port = endpoint.rpartition(":")
+        layout = self.layout
+        header = TransferHeader(room=room, runs=runs, num_layers=layout.num_layers,
+                                page_size=layout.page_size, num_kv_heads=layout.num_kv_heads,
+                                head_dim=layout.head_dim, dtype=layout.dtype)
+        try:
+            with socket.create_connection((host, int(port)), timeout=self.timeout) as sock:
+                _tune(sock)
+                _send_msg(sock, header)
+                if _recv_exact(sock, 1) != b"\1":
+                    raise ConnectionError(f"the receiver refused bootstrap_room {room}")
+                for run in runs:
+                    for src in _run_slices(self.pool, run, dst=False):
+                        sock.sendall(_bytes_view(src))
+                _send_msg(sock, trailer)
+                if _recv_exact(sock, 1) != b"\1":
+                    raise ConnectionError("the receiver did not acknowledge the transfer")
+            state.advance(KVPoll.Success)
+        except (OSError, ConnectionError, ValueError) as exc:
+            state.fail(f"sending KV for room {room} to {endpoint} failed: {exc}")

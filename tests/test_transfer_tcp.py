@@ -1,0 +1,98 @@
+"""The tcp KV transfer backend between two real pools in one process (loopback sockets)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from common.engine.kv_pool import PagedKVPool
+from common.transfer.base import KVPoll
+from common.transfer.tcp import TcpKVReceiver, TcpKVSender, TransferTrailer
+
+
+def pool(page_size=4, pages=32, layers=3, heads=2, dim=8, dtype=torch.float32):
+    return PagedKVPool(pages, page_size, layers, heads, dim, dtype, torch.device("cpu"))
+
+
+def wait(state_fn, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while state_fn() not in (KVPoll.Success, KVPoll.Failed):
+        assert time.monotonic() < deadline, "transfer never finished"
+        time.sleep(0.005)
+    return state_fn()
+
+
+def fill(p: PagedKVPool, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p.k.copy_(torch.randn(p.k.shape, generator=g).to(p.k.dtype))
+    p.v.copy_(torch.randn(p.v.shape, generator=g).to(p.v.dtype))
+
+
+def page_data(p: PagedKVPool, page: int):
+    ps = p.page_size
+    return p.k[:, page * ps:(page + 1) * ps].clone(), p.v[:, page * ps:(page + 1) * ps].clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_arrive_intact_with_the_trailer(dtype):
+    src, dst = pool(dtype=dtype), pool(dtype=dtype)
+    fill(src)
+    receiver = TcpKVReceiver(dst)
+    try:
+        src_pages, dst_pages = [3, 4, 5, 9, 1], [10, 11, 20, 21, 2]
+        receiver.expect(42, dst_pages)
+        assert receiver.poll(42) is KVPoll.WaitingForInput
+        untouched = page_data(dst, 0)
+        sent = TcpKVSender(src).send(receiver.endpoint, 42, src_pages, dst_pages,
+                                     TransferTrailer(first_token=7, logprob=-0.5))
+        assert wait(lambda: receiver.poll(42)) is KVPoll.Success
+        assert wait(lambda: sent.state) is KVPoll.Success
+        for s, d in zip(src_pages, dst_pages):
+            for a, b in zip(page_data(src, s), page_data(dst, d)):
+                assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(untouched, page_data(dst, 0)))
+        assert receiver.trailer(42) == TransferTrailer(first_token=7, logprob=-0.5)
+        assert receiver.pages_quiescent(42)
+    finally:
+        receiver.close()
+
+
+def test_unexpected_room_and_foreign_pages_are_refused():
+    src, dst = pool(), pool()
+    receiver = TcpKVReceiver(dst)
+    try:
+        sent = TcpKVSender(src).send(receiver.endpoint, 1, [0], [0], TransferTrailer(first_token=1))
+        assert wait(lambda: sent.state) is KVPoll.Failed and "refused" in sent.reason
+        receiver.expect(2, [5])
+        sent = TcpKVSender(src).send(receiver.endpoint, 2, [0], [6], TransferTrailer(first_token=1))
+        assert wait(lambda: sent.state) is KVPoll.Failed
+        assert receiver.poll(2) is KVPoll.Failed
+        receiver.expect(3, [1])
+        with pytest.raises(ValueError, match="already expected"):
+            receiver.expect(3, [1])
+    finally:
+        receiver.close()
+
+
+def test_layout_mismatch_fails_both_sides_clearly():
+    src, dst = pool(page_size=4), pool(page_size=8, pages=16)
+    receiver = TcpKVReceiver(dst)
+    try:
+        receiver.expect(5, [1])
+        sent = TcpKVSender(src).send(receiver.endpoint, 5, [1, 2], [1, 2],
+                                     TransferTrailer(first_token=1))
+        assert wait(lambda: sent.state) is KVPoll.Failed
+        assert wait(lambda: receiver.poll(5)) is KVPoll.Failed
+    finally:
+        receiver.close()
+
+
+def test_dead_receiver_fails_the_sender():
+    src, dst = pool(), pool()
+    receiver = TcpKVReceiver(dst)
+    endpoint = receiver.endpoint
+    receiver.close()
+    sent = TcpKVSender(src, timeout=2).send(endpoint, 1, [0], [0], TransferTrailer(first_token=1))
+    assert wait(lambda: sent.state) is KVPoll.Failed and "failed" in sent.reason
