@@ -1,0 +1,1397 @@
+"""DP controller: dispatch throughput, per-hop latency, and balance quality of the four methods.
+
+    python benchmarks/bench_dispatch.py            # full run, about two minutes on 2 cores
+    python benchmarks/bench_dispatch.py --quick    # a few seconds (used by the test)
+    python benchmarks/bench_dispatch.py --skip-controller     # balance simulation only
+
+Part 1, the real controller process (SPEC section 2). A "front end" (this process) PUSHes
+msgpack-encoded `GenerateRequest`s (random `bootstrap_room` for follow_bootstrap_room) to the
+real `run_controller_process` (the launcher's target: `Dispatcher` + `ControllerLoop`), one per
+method, started with multiprocessing spawn, 4 ranks, a real shared-memory `LoadBoard`. The
+"schedulers" are 4 PULL sockets in one receiver process that take every message at once and
+timestamp it; the same process binds the front end's `frontend_input` (it drains and counts
+the controllers' `DispatchReport`s) and publishes a fresh snapshot per rank to the board every
+5 ms, so the load-aware methods really refresh from it. Four baseline forwarders wired the
+same way split the controller's cost: recv -> send only; + a zmq.Poller wait and NOBLOCK drain
+(as `run_forever`); + msgspec decode/encode; + a DispatchReport per drain.
+
+* Throughput: N pre-encoded requests sent as fast as the PUSH socket takes them; dispatches/s
+  = N / (last arrival at any scheduler socket - first send). Best and median of `--repeats`,
+  the processes taking turns. Process CPU time (from /proc) per dispatch.
+* Latency: one request at a time, send -> arrival at a scheduler socket (both timestamps on
+  CLOCK_MONOTONIC, which every process shares). Each sample through a process is paired with
+  a direct PUSH -> PULL sample (alternating which goes first, so both see the same machine
+  noise); "added" = percentile(through the process) - percentile(direct).
+* Profile: `ControllerLoop.run_forever` in this process on pre-queued requests: thread CPU per
+  dispatch, a cProfile of where it goes, and the cost of each step measured alone (decode,
+  Dispatcher, encode, send) with what-ifs for a cheaper decode.
+
+Part 2, balance quality (in process, deterministic with `--seed`). A mixed workload (80 %
+50-200 tokens, 20 % 2,000-8,000 tokens; Poisson background plus Poisson bursts of 16-64
+requests a fraction of a millisecond apart) is replayed against the REAL `Dispatcher` with a
+fake clock and a fake board. Each simulated rank is a FIFO, chunked-prefill-like scheduler:
+it serves `--rank-tokens-per-s` tokens per second in steps of at most `--chunk` tokens, and
+reads its socket only between steps (an idle rank reads at once), so a busy rank's newest
+requests are not yet in its own queue. Every 5 ms each rank publishes a snapshot of its own
+view to the board; the Dispatcher refreshes from it at most every 20 ms. Sampled every 1 ms:
+max/mean across ranks of the outstanding requests and outstanding tokens (dispatched and not
+finished, read or not), over the samples with at least one outstanding request per rank on
+average (below that the ratio is dominated by 1-of-1 cases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import gc
+import heapq
+import multiprocessing
+import os
+import platform
+import pstats
+import random
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = Path(__file__).resolve().parent
+# `common` without installing; this folder so that spawned children can import this module.
+for _p in (REPO_ROOT, BENCH_DIR):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+
+from common.config import ServerArgs  # noqa: E402
+from common.dp.controller import ControllerLoop, run_controller_process  # noqa: E402
+from common.dp.dispatch import LOAD_AWARE, METHODS, DispatchItem, Dispatcher  # noqa: E402
+from common.loads.board import LoadBoard  # noqa: E402
+from common.loads.snapshot import LoadSnapshot  # noqa: E402
+from common.messages import launch, scheduler_input  # noqa: E402
+from common.messages.sampling import SamplingParams  # noqa: E402
+from common.messages.scheduler_input import GenerateRequest  # noqa: E402
+from common.server.ipc import IpcPaths  # noqa: E402
+from common.server.process_utils import die_with_parent  # noqa: E402
+
+NUM_RANKS = 4
+TARGET_DISPATCH_PER_S = 20_000
+TARGET_ADDED_P50_US = 100.0
+SNAPSHOT_PERIOD_S = 0.005
+REFRESH_INTERVAL_S = 0.02
+BUSY_PER_RANK = 8  # "worst while busy": samples with >= 8 outstanding requests per rank
+ECHO = struct.Struct("<qB")  # arrival time (ns, CLOCK_MONOTONIC), rank
+now_ns = time.monotonic_ns
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of a process, all threads (ns resolution from schedstat; else clock ticks),
+    0 if unreadable."""
+    try:
+        total = 0
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[0])
+        return total / 1e9
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def make_request_bytes(
+    n: int, method: str, prompt_tokens: int, rng: random.Random, prefix: str = "r"
+) -> list[bytes]:
+    """Encoded GenerateRequests as a front end sends them (fresh rid, random prompt ids)."""
+    sampling = SamplingParams(max_new_tokens=16)
+    ids = [rng.randrange(32_000) for _ in range(prompt_tokens)]
+    out = []
+    for i in range(n):
+        room = rng.getrandbits(63) if method == "follow_bootstrap_room" else None
+        req = GenerateRequest(
+            rid=f"{prefix}{i:08x}", input_ids=ids, sampling=sampling, bootstrap_room=room
+        )
+        out.append(scheduler_input.encoder.encode(req))
+    return out
+
+
+# ------------------------------------------------------------- part 1: the receiver process
+
+
+def receiver_main(ipc: IpcPaths, control_addr: str, board_path: str, board_id: int,
+                  num_ranks: int) -> None:
+    """The 4 "schedulers" (PULL, answer at once) and the front end's report inbox.
+
+    Commands on the PAIR control socket (msgpack lists):
+      ["count", n]  reply ["ready"]; after n scheduler arrivals reply
+                    ["counted", first_ns, last_ns, per-rank counts]
+      ["echo"]      reply ["ready"]; then every arrival is echoed as ECHO(ns, rank)
+      ["idle"]      reply ["ready"]; arrivals are only counted
+      ["stats"]     reply ["stats", {first rid character: reported rids}, failures,
+                    arrivals]
+      ["quit"]      exit
+    """
+    die_with_parent()
+    ctx = zmq.Context()
+    control = ctx.socket(zmq.PAIR)
+    control.connect(control_addr)
+    scheds = []
+    for rank in range(num_ranks):
+        s = ctx.socket(zmq.PULL)
+        s.bind(ipc.scheduler_input_of(rank))
+        scheds.append(s)
+    reports = ctx.socket(zmq.PULL)
+    reports.bind(ipc.frontend_input)
+    board = LoadBoard.attach(board_path, num_ranks, board_id)
+    from common.messages import frontend_input
+
+    poller = zmq.Poller()
+    for s in (*scheds, reports, control):
+        poller.register(s, zmq.POLLIN)
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+    mode, target, count, first, last = "idle", 0, 0, 0, 0
+    counts = [0] * num_ranks
+    arrivals = report_failed = 0
+    report_rids: dict[str, int] = {}
+    next_publish = 0.0
+    control.send(enc.encode(["ready"]))
+    while True:
+        events = dict(poller.poll(5))
+        for rank, s in enumerate(scheds):
+            if s not in events:
+                continue
+            while True:
+                try:
+                    s.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                t = now_ns()
+                arrivals += 1
+                if mode == "echo":
+                    control.send(ECHO.pack(t, rank))
+                elif mode == "count":
+                    if count == 0:
+                        first = t
+                    last = t
+                    count += 1
+                    counts[rank] += 1
+                    if count == target:
+                        control.send(enc.encode(["counted", first, last, counts]))
+                        mode = "idle"
+        if reports in events:
+            while True:
+                try:
+                    raw = reports.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = frontend_input.decoder.decode(raw)
+                if isinstance(msg, frontend_input.DispatchReport):
+                    for rid in msg.rids:
+                        report_rids[rid[0]] = report_rids.get(rid[0], 0) + 1
+                    report_failed += len(msg.failed)
+        if control in events:
+            cmd = dec.decode(control.recv())
+            if cmd[0] == "quit":
+                break
+            if cmd[0] == "count":
+                mode, target, count = "count", cmd[1], 0
+                counts = [0] * num_ranks
+                control.send(enc.encode(["ready"]))
+            elif cmd[0] in ("echo", "idle"):
+                mode = cmd[0]
+                control.send(enc.encode(["ready"]))
+            elif cmd[0] == "stats":
+                control.send(enc.encode(["stats", report_rids, report_failed, arrivals]))
+        mono = time.monotonic()
+        if mono >= next_publish:  # schedulers that answer at once: empty queues, fresh stamps
+            wall = time.time()
+            for rank in range(num_ranks):
+                board.write(LoadSnapshot(dp_rank=rank, timestamp=wall))
+            next_publish = mono + SNAPSHOT_PERIOD_S
+    board.close()
+    ctx.destroy(linger=0)
+
+
+@dataclass
+class ThroughputResult:
+    n: int
+    seconds: list[float]  # first send -> last arrival, per repeat
+    send_seconds: list[float]  # first send -> last send returned
+    ctrl_cpu_us: list[float]  # controller CPU per dispatch
+    per_rank: list[int]
+
+    @property
+    def best(self) -> float:
+        return self.n / min(self.seconds)
+
+    @property
+    def median(self) -> float:
+        return self.n / statistics.median(self.seconds)
+
+
+@dataclass
+class LatencyResult:
+    via_us: list[float]
+    direct_us: list[float]
+
+
+@dataclass
+class MethodResult:
+    method: str
+    throughput: ThroughputResult
+    latency: LatencyResult
+    reports_ok: bool | None  # every dispatch in a DispatchReport (None: a baseline relay)
+    long_throughput: ThroughputResult | None = None  # with --long-prompt-tokens prompts
+
+
+# Python forwarders that do part of the controller's work, to split its cost (same wiring).
+RELAYS = {
+    "plain": "baseline: relay, recv -> send",
+    "poll": "baseline: relay + Poller/NOBLOCK drain",
+    "codec": "baseline: relay + Poller + decode/encode",
+    "report": "baseline: relay + Poller + decode/encode + report",
+}
+
+
+def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, ready) -> None:
+    """Forward every message to the next rank. "plain": blocking recv -> send, nothing decoded
+    (the floor of any Python forwarder); "poll": block on a zmq.Poller, then drain with NOBLOCK
+    (as run_forever does); "codec": + msgspec decode and re-encode of each GenerateRequest;
+    "report": + one DispatchReport per drain to the front end."""
+    from common.messages import frontend_input
+
+    die_with_parent()
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(in_addr)
+    outs = []
+    for addr in out_addrs:
+        s = ctx.socket(zmq.PUSH)
+        s.connect(addr)
+        outs.append(s)
+    to_frontend = ctx.socket(zmq.PUSH)
+    to_frontend.connect(report_addr)
+    ready.send_bytes(b"ready")
+    ready.close()
+    i, n = 0, len(outs)
+    if kind == "plain":
+        while True:
+            outs[i].send(pull.recv())
+            i = (i + 1) % n
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    decode, encode = scheduler_input.decoder.decode, scheduler_input.encoder.encode
+    codec = kind in ("codec", "report")
+    while True:
+        poller.poll()
+        rids, ranks = [], []
+        while True:
+            try:
+                raw = pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if codec:
+                req = decode(raw)
+                raw = encode(req)
+                rids.append(req.rid)
+                ranks.append(i)
+            outs[i].send(raw)
+            i = (i + 1) % n
+        if kind == "report" and rids:
+            report = frontend_input.DispatchReport(rids=rids, ranks=ranks)
+            to_frontend.send(frontend_input.encoder.encode(report))
+
+
+@dataclass
+class Endpoint:
+    name: str
+    tag: str  # first character of the rids sent to it (reports are counted per tag)
+    proc: multiprocessing.process.BaseProcess
+    push: zmq.Socket
+
+
+class Rig:
+    """The receiver process, and the controllers (all started, one driven at a time: runs of
+    the methods interleave, so each sees the same machine noise) plus the bare relay."""
+
+    def __init__(self, tmpdir: str):
+        self.mp = multiprocessing.get_context("spawn")
+        self.folder = tempfile.mkdtemp(prefix="ipc-", dir=tmpdir)
+        self.base = IpcPaths(
+            folder=self.folder,
+            controller_input=f"ipc://{self.folder}/controller",
+            detokenizer_input=f"ipc://{self.folder}/detokenizer",
+            frontend_input=f"ipc://{self.folder}/frontend",
+        )
+        self.board = LoadBoard.create(NUM_RANKS, directory=tmpdir)
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.PAIR)
+        control_addr = f"ipc://{self.folder}/bench-control"
+        self.control.bind(control_addr)
+        self.receiver = self.mp.Process(
+            target=receiver_main,
+            args=(self.base, control_addr, self.board.path, self.board.board_id, NUM_RANKS),
+            name="bench-receiver", daemon=True,
+        )
+        self.receiver.start()
+        self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+        self._expect("ready", timeout=60)
+        self.direct = self.ctx.socket(zmq.PUSH)
+        self.direct.connect(self.base.scheduler_input_of(0))
+        self.endpoints: list[Endpoint] = []
+
+    # ---- control channel ----------------------------------------------------------------
+    def _recv(self, timeout: float = 30.0) -> bytes:
+        if not self.control.poll(int(timeout * 1000)):
+            raise TimeoutError("the receiver process did not answer")
+        return self.control.recv()
+
+    def _expect(self, tag: str, timeout: float = 30.0) -> list:
+        msg = self.dec.decode(self._recv(timeout))
+        if msg[0] != tag:
+            raise RuntimeError(f"receiver said {msg!r}, expected {tag!r}")
+        return msg
+
+    def _command(self, *cmd) -> None:
+        self.control.send(self.enc.encode(list(cmd)))
+        self._expect("ready")
+
+    # ---- the processes under test -----------------------------------------------------------
+    def _wait_started(self, proc, reader, what: str) -> bytes:
+        if not reader.poll(60):
+            proc.kill()
+            raise TimeoutError(f"{what} did not start")
+        return reader.recv_bytes()
+
+    def start_controller(self, method: str, tag: str) -> Endpoint:
+        """The launcher's own target, `run_controller_process`, as the launcher starts it."""
+        ipc = IpcPaths(
+            folder=self.folder,
+            controller_input=f"ipc://{self.folder}/controller-{method}",
+            detokenizer_input=self.base.detokenizer_input,
+            frontend_input=self.base.frontend_input,
+        )
+        args = ServerArgs(dp_size=NUM_RANKS, load_balance_method=method,
+                          load_refresh_interval=REFRESH_INTERVAL_S, log_level="warning")
+        reader, writer = self.mp.Pipe(duplex=False)
+        proc = self.mp.Process(
+            target=run_controller_process,
+            args=(args, method, ipc, self.board.path, self.board.board_id, writer),
+            name=f"bench-controller-{method}", daemon=True,
+        )
+        proc.start()
+        writer.close()
+        ready = launch.decoder.decode(self._wait_started(proc, reader, "the controller"))
+        if not isinstance(ready, launch.ProcessReady):
+            raise RuntimeError(f"controller failed to start: {ready}")
+        return self._add(method, tag, proc, ipc.controller_input)
+
+    def start_relay(self, kind: str, tag: str) -> Endpoint:
+        addr = f"ipc://{self.folder}/relay-{kind}"
+        reader, writer = self.mp.Pipe(duplex=False)
+        outs = [self.base.scheduler_input_of(r) for r in range(NUM_RANKS)]
+        proc = self.mp.Process(target=relay_main,
+                               args=(kind, addr, outs, self.base.frontend_input, writer),
+                               name=f"bench-relay-{kind}", daemon=True)
+        proc.start()
+        writer.close()
+        self._wait_started(proc, reader, "the relay")
+        return self._add(RELAYS[kind], tag, proc, addr)
+
+    def _add(self, name: str, tag: str, proc, addr: str) -> Endpoint:
+        push = self.ctx.socket(zmq.PUSH)
+        push.connect(addr)
+        ep = Endpoint(name, tag, proc, push)
+        self.endpoints.append(ep)
+        return ep
+
+    # ---- measurements -----------------------------------------------------------------------
+    def throughput_once(self, ep: Endpoint, msgs: list[bytes]
+                        ) -> tuple[float, float, float, list[int]]:
+        self.control.send(self.enc.encode(["count", len(msgs)]))
+        self._expect("ready")
+        cpu0 = proc_cpu_s(ep.proc.pid)
+        push = ep.push
+        t0 = now_ns()
+        for raw in msgs:
+            push.send(raw)
+        t_sent = now_ns()
+        _, first, last, counts = self._expect("counted", timeout=120)
+        cpu = proc_cpu_s(ep.proc.pid) - cpu0
+        return (last - t0) / 1e9, (t_sent - t0) / 1e9, cpu, counts
+
+    def latency(self, eps: list[Endpoint], via_msgs: dict[str, list[bytes]],
+                direct_msgs: list[bytes], gap_s: float, block: int = 100
+                ) -> dict[str, LatencyResult]:
+        """Blocks of `block` requests per endpoint, the endpoints taking turns (so slow drift
+        of the machine's load hits them all alike, while each is measured warm, as under a
+        steady trickle of requests). Each request through an endpoint is paired with a direct
+        sample, alternating which goes first, with `gap_s` of quiet before each send, so the
+        side traffic of the previous one (a DispatchReport, the receiver handling it) is over."""
+        self._command("echo")
+        out = {ep.name: LatencyResult([], []) for ep in eps}
+        direct_iter = iter(direct_msgs)
+        n = min(len(v) for v in via_msgs.values())
+        for start in range(0, n, block):
+            for ep in eps:
+                res = out[ep.name]
+                for i in range(start, min(n, start + block)):
+                    order = ((ep.push, via_msgs[ep.name][i], res.via_us),
+                             (self.direct, next(direct_iter), res.direct_us))
+                    for sock, raw, sink in (order[::-1] if i % 2 else order):
+                        time.sleep(gap_s)
+                        t = now_ns()
+                        sock.send(raw)
+                        arrival, _rank = ECHO.unpack(self._recv(10))
+                        sink.append((arrival - t) / 1e3)
+        self._command("idle")
+        return out
+
+    def report_stats(self) -> tuple[dict[str, int], int, int]:
+        """DispatchReport rids per tag, failures, scheduler arrivals."""
+        self.control.send(self.enc.encode(["stats"]))
+        _, rids, failed, arrivals = self._expect("stats")
+        return rids, failed, arrivals
+
+    def close(self) -> None:
+        for ep in self.endpoints:
+            ep.push.close(linger=0)
+            ep.proc.terminate()
+        for ep in self.endpoints:
+            ep.proc.join(5)
+            if ep.proc.is_alive():
+                ep.proc.kill()
+                ep.proc.join(5)
+        try:
+            self.control.send(self.enc.encode(["quit"]))
+        except zmq.ZMQError:
+            pass
+        self.receiver.join(5)
+        if self.receiver.is_alive():
+            self.receiver.terminate()
+            self.receiver.join(5)
+        self.ctx.destroy(linger=0)
+        self.board.unlink()
+
+
+def latency_block(ns: argparse.Namespace) -> int:
+    return max(10, min(100, ns.latency_samples // 10))
+
+
+def bench_controllers(rig: Rig, ns: argparse.Namespace, rng: random.Random, log
+                      ) -> list[MethodResult]:
+    eps = [rig.start_controller(m, tag) for m, tag in zip(METHODS, "abcd")]
+    eps += [rig.start_relay(kind, tag) for kind, tag in zip(RELAYS, "wxyz")]
+    sent = {ep.tag: 0 for ep in eps}
+
+    def requests(ep: Endpoint, n: int, kind: str, tokens: int = ns.prompt_tokens
+                 ) -> list[bytes]:
+        method = ep.name if ep.name in METHODS else "round_robin"
+        sent[ep.tag] += n
+        return make_request_bytes(n, method, tokens, rng, prefix=f"{ep.tag}{kind}")
+
+    def summarize(r: list[tuple[float, float, float, list[int]]], n: int) -> ThroughputResult:
+        return ThroughputResult(
+            n, [x[0] for x in r], [x[1] for x in r], [x[2] / n * 1e6 for x in r],
+            [sum(x[3][k] for x in r) for k in range(NUM_RANKS)],
+        )
+
+    # Warm-up: the connections, each controller's first board read, the allocators.
+    for ep in eps:
+        rig.throughput_once(ep, requests(ep, ns.warmup, "w"))
+    runs: dict[str, list[tuple[float, float, float, list[int]]]] = {ep.name: [] for ep in eps}
+    for rep in range(ns.repeats):
+        for ep in eps[rep % len(eps):] + eps[:rep % len(eps)]:  # rotate who goes first
+            runs[ep.name].append(rig.throughput_once(ep, requests(ep, ns.requests, f"t{rep}-")))
+    long_runs: dict[str, list[tuple[float, float, float, list[int]]]] = {e.name: [] for e in eps}
+    for rep in range(ns.repeats if ns.long_prompt_tokens else 0):
+        for ep in eps[rep % len(eps):] + eps[:rep % len(eps)]:
+            msgs = requests(ep, ns.long_requests, f"L{rep}-", ns.long_prompt_tokens)
+            long_runs[ep.name].append(rig.throughput_once(ep, msgs))
+    log("throughput done")
+    n = ns.latency_samples
+    via = {ep.name: requests(ep, n, "l") for ep in eps}
+    direct = make_request_bytes(n * len(eps), "round_robin", ns.prompt_tokens, rng, prefix="_d")
+    block = latency_block(ns)
+    for ep in eps:  # warm-up, not kept
+        rig.latency([ep], {ep.name: requests(ep, block, "lw")}, direct[:block], 0.0)
+    latencies = rig.latency(eps, via, direct, ns.latency_gap_us * 1e-6, block)
+    log("latency done")
+    # Every dispatch must also be in a DispatchReport (the controller's other output).
+    deadline = time.monotonic() + 10
+    while True:
+        rids, failed, _ = rig.report_stats()
+        complete = {ep.tag: rids.get(ep.tag, 0) == sent[ep.tag] for ep in eps[:len(METHODS)]}
+        if (all(complete.values()) and failed == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    out = []
+    for ep in eps:
+        tp = summarize(runs[ep.name], ns.requests)
+        long_tp = summarize(long_runs[ep.name], ns.long_requests) if long_runs[ep.name] else None
+        ok = complete[ep.tag] and failed == 0 if ep.name in METHODS else None
+        out.append(MethodResult(ep.name, tp, latencies[ep.name], ok, long_tp))
+        log(f"{ep.name}: best {tp.best:,.0f}/s, p50 "
+            f"{percentile(latencies[ep.name].via_us, 50):.0f} us")
+    return out
+
+
+# --------------------------------------------------------------- part 1: in-process profile
+
+
+class _Done(Exception):
+    pass
+
+
+@dataclass
+class ProfileResult:
+    method: str
+    n: int
+    thread_cpu_us: dict[str, float]  # per method: controller thread CPU per dispatch
+    wall_us: dict[str, float]
+    long_tokens: int
+    long_cpu_us: dict[str, float]  # the same with long prompts
+    long_wall_us: dict[str, float]
+    top: list[tuple[str, float, float, int]]  # (function, tottime us/dispatch, cum, calls)
+    components: list[tuple[str, float, str]]  # (step, us per call, note)
+
+
+class InProcessController:
+    """A real ControllerLoop in this process, its peers bound by sinks nobody drains (the
+    context's high-water marks are unlimited, so nothing blocks)."""
+
+    def __init__(self, method: str, tmpdir: str, board: LoadBoard):
+        self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.SNDHWM, 0)
+        self.ctx.setsockopt(zmq.RCVHWM, 0)
+        folder = tempfile.mkdtemp(prefix="ipc-prof-", dir=tmpdir)
+        self.ipc = IpcPaths(folder=folder, controller_input=f"ipc://{folder}/controller",
+                            detokenizer_input=f"ipc://{folder}/detok",
+                            frontend_input=f"ipc://{folder}/frontend")
+        self.sinks = []
+        for rank in range(NUM_RANKS):
+            s = self.ctx.socket(zmq.PULL)
+            s.bind(self.ipc.scheduler_input_of(rank))
+            self.sinks.append(s)
+        s = self.ctx.socket(zmq.PULL)
+        s.bind(self.ipc.frontend_input)
+        self.sinks.append(s)
+        dispatcher = Dispatcher(method, NUM_RANKS, NUM_RANKS, read_loads=board.read_all,
+                                refresh_interval=REFRESH_INTERVAL_S)
+        self.loop = ControllerLoop(dispatcher, self.ipc, ctx=self.ctx)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(self.ipc.controller_input)
+        loop = self.loop
+        flush = loop.flush_report
+        self.stop_at = 0
+
+        def flush_and_maybe_stop() -> None:  # run_forever calls this after each drain
+            flush()
+            if loop.num_dispatched >= self.stop_at:
+                raise _Done
+
+        loop.flush_report = flush_and_maybe_stop
+
+    def run(self, msgs: list[bytes], profiler: cProfile.Profile | None = None
+            ) -> tuple[float, float]:
+        """Queue msgs, then run the real run_forever until all are dispatched: thread CPU s,
+        wall s."""
+        for raw in msgs:
+            self.push.send(raw)
+        time.sleep(0.05 + len(msgs) * 2e-6)  # let the I/O thread move them into the queue
+        self.stop_at = self.loop.num_dispatched + len(msgs)
+        gc.collect()  # this benchmark's garbage, not the controller's
+        c0, w0 = time.thread_time(), time.perf_counter()
+        try:
+            if profiler is not None:
+                profiler.runcall(self.loop.run_forever)
+            else:
+                self.loop.run_forever()
+        except _Done:
+            pass
+        return time.thread_time() - c0, time.perf_counter() - w0
+
+    def drain(self) -> None:
+        """Empty the sinks (untimed), so memory does not grow from run to run."""
+        time.sleep(0.02)
+        for s in self.sinks:
+            while True:
+                try:
+                    s.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def _per_call_us(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    fn(n)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, board: LoadBoard
+                    ) -> list[tuple[str, float, str]]:
+    """Each step of one dispatch, timed alone, best of 3."""
+    n = len(msgs)
+    prompt = len(scheduler_input.decoder.decode(msgs[0]).input_ids)
+    long_prompt = len(scheduler_input.decoder.decode(long_msgs[0]).input_ids)
+    long_decoded = [scheduler_input.decoder.decode(m) for m in long_msgs]
+    decoded = [scheduler_input.decoder.decode(m) for m in msgs]
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.SNDHWM, 0)
+    ctx.setsockopt(zmq.RCVHWM, 0)
+    folder = tempfile.mkdtemp(prefix="ipc-comp-", dir=tmpdir)
+    sink = ctx.socket(zmq.PULL)
+    sink.bind(f"ipc://{folder}/sink")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"ipc://{folder}/sink")
+
+    class Head(msgspec.Struct, tag="generate", kw_only=True, frozen=True):
+        """What the controller needs: routing fields, the prompt left undecoded."""
+        rid: str
+        input_ids: msgspec.Raw
+        routed_dp_rank: int | None = None
+        bootstrap_room: int | None = None
+
+    head_decoder = msgspec.msgpack.Decoder(Head)
+
+    def prompt_len(raw: msgspec.Raw) -> int:  # the msgpack array header holds the length
+        b = memoryview(raw)[:5].tobytes()
+        if 0x90 <= b[0] <= 0x9F:
+            return b[0] & 0x0F
+        return int.from_bytes(b[1:3] if b[0] == 0xDC else b[1:5], "big")
+
+    def decode(k, src=msgs):
+        d = scheduler_input.decoder.decode
+        for m in src[:k]:
+            d(m)
+
+    def decode_head(k, src=msgs):
+        d = head_decoder.decode
+        for m in src[:k]:
+            h = d(m)
+            prompt_len(h.input_ids)
+
+    def encode(k, src=decoded):
+        e = scheduler_input.encoder.encode
+        for r in src[:k]:
+            e(r)
+
+    def send(k, src=msgs):
+        for m in src[:k]:
+            push.send(m)
+
+    long_n = len(long_msgs)
+    header_frames = [
+        msgspec.msgpack.encode([r.rid, len(r.input_ids), r.routed_dp_rank, r.bootstrap_room])
+        for r in decoded
+    ]
+    header_decoder = msgspec.msgpack.Decoder(tuple[str, int, int | None, int | None])
+
+    def decode_header_frame(k):
+        d = header_decoder.decode
+        for h in header_frames[:k]:
+            d(h)
+
+    def dispatcher_for(method):
+        disp = Dispatcher(method, NUM_RANKS, NUM_RANKS, read_loads=board.read_all,
+                          refresh_interval=REFRESH_INTERVAL_S)
+
+        def run(k):
+            place = disp.place_batch
+            for r in decoded[:k]:
+                place([DispatchItem(len(r.input_ids), r.routed_dp_rank, r.bootstrap_room)])
+        return run
+
+    def board_read(k):
+        for _ in range(k):
+            board.read_all()
+
+    rows = [
+        (f"msgspec decode GenerateRequest ({prompt} tokens)", decode, n,
+         "whole message, prompt ids included"),
+        (f"msgspec encode GenerateRequest ({prompt} tokens)", encode, n,
+         "re-encoded for the scheduler"),
+        (f"zmq PUSH send, ipc ({len(msgs[0])} bytes)", send, n,
+         "pyzmq send of the encoded bytes"),
+    ]
+    rows += [(f"DispatchItem + place_batch: {m}", dispatcher_for(m), n,
+              "incl. board refresh every 20 ms" if m in LOAD_AWARE else "") for m in METHODS]
+    rows += [
+        ("LoadBoard.read_all (4 ranks)", board_read, max(200, n // 20),
+         "once per 20 ms at most, per refresh"),
+        ("what-if: decode routing fields only", decode_head, n,
+         "input_ids as msgspec.Raw; length from its msgpack header"),
+        (f"msgspec decode GenerateRequest ({long_prompt} tokens)",
+         lambda k: decode(k, long_msgs), long_n, "a long prompt"),
+        (f"msgspec encode GenerateRequest ({long_prompt} tokens)",
+         lambda k: encode(k, long_decoded), long_n, ""),
+        (f"zmq PUSH send, ipc ({len(long_msgs[0])} bytes)", lambda k: send(k, long_msgs),
+         long_n, ""),
+        (f"what-if: routing fields only ({long_prompt} tokens)",
+         lambda k: decode_head(k, long_msgs), long_n,
+         "msgspec still walks the array to skip it"),
+        ("what-if: decode a separate routing header frame", decode_header_frame, n,
+         "(rid, tokens, routed_dp_rank, bootstrap_room); body forwarded as bytes"),
+    ]
+    out = []
+    for name, fn, k, note in rows:
+        out.append((name, min(_per_call_us(fn, k) for _ in range(3)), note))
+        while sink.poll(0):  # drain what send() queued
+            sink.recv()
+    ctx.destroy(linger=0)
+    return out
+
+
+def profile_controller(ns: argparse.Namespace, tmpdir: str, rng: random.Random, log
+                       ) -> ProfileResult:
+    board = LoadBoard.create(NUM_RANKS, directory=tmpdir)
+    for rank in range(NUM_RANKS):
+        board.write(LoadSnapshot(dp_rank=rank, timestamp=time.time()))
+    cpu, wall, long_cpu, long_wall = {}, {}, {}, {}
+    prof_n = ns.profile_requests
+    long_n = max(100, prof_n // 4)
+    long_tokens = ns.long_prompt_tokens or 2048
+    top: list[tuple[str, float, float, int]] = []
+    ctls: dict[str, InProcessController] = {}
+    try:
+        for method in METHODS:
+            ctls[method] = ctl = InProcessController(method, tmpdir, board)
+            ctl.run(make_request_bytes(ns.warmup, method, ns.prompt_tokens, rng, "w"))
+            ctl.drain()
+            cpu[method] = wall[method] = float("inf")
+            long_cpu[method] = long_wall[method] = float("inf")
+        for _ in range(ns.repeats):  # interleaved, best of the repeats per method
+            for method, ctl in ctls.items():
+                c, w = ctl.run(make_request_bytes(prof_n, method, ns.prompt_tokens, rng))
+                ctl.drain()
+                cpu[method] = min(cpu[method], c / prof_n * 1e6)
+                wall[method] = min(wall[method], w / prof_n * 1e6)
+                c, w = ctl.run(make_request_bytes(long_n, method, long_tokens, rng))
+                ctl.drain()
+                long_cpu[method] = min(long_cpu[method], c / long_n * 1e6)
+                long_wall[method] = min(long_wall[method], w / long_n * 1e6)
+        prof = cProfile.Profile()
+        ctl = ctls[ns.profile_method]
+        ctl.run(make_request_bytes(prof_n, ns.profile_method, ns.prompt_tokens, rng), prof)
+        top = _top_functions(prof, prof_n)
+        for ctl in ctls.values():
+            ctl.close()
+        ctls.clear()
+        log("in-process profile done")
+        comps = component_costs(
+            make_request_bytes(prof_n, "follow_bootstrap_room", ns.prompt_tokens, rng),
+            make_request_bytes(long_n, "follow_bootstrap_room", long_tokens, rng),
+            tmpdir, board,
+        )
+    finally:
+        for ctl in ctls.values():
+            ctl.close()
+        board.unlink()
+    return ProfileResult(ns.profile_method, prof_n, cpu, wall, long_tokens, long_cpu, long_wall,
+                         top, comps)
+
+
+def _top_functions(prof: cProfile.Profile, n: int, k: int = 12
+                   ) -> list[tuple[str, float, float, int]]:
+    stats = pstats.Stats(prof)
+    rows = []
+    for (filename, line, func), (_cc, calls, tt, ct, _callers) in stats.stats.items():
+        if filename == "~":
+            name = func.strip("<>").replace("built-in method ", "")
+        else:
+            p = Path(filename)
+            parts = p.parts
+            short = "/".join(parts[-2:]) if len(parts) >= 2 else p.name
+            if "site-packages" in parts:
+                short = "/".join(parts[parts.index("site-packages") + 1:])
+            name = f"{short}:{line}({func})"
+        rows.append((name, tt / n * 1e6, ct / n * 1e6, calls))
+    rows.sort(key=lambda r: r[1], reverse=True)
+    return rows[:k]
+
+
+# ------------------------------------------------------------------ part 2: balance simulator
+
+
+@dataclass
+class Workload:
+    arrivals: list[float]
+    tokens: list[int]
+    rooms: list[int]
+    duration: float
+    rate: float  # requests per second, background and bursts together
+    mean_tokens: float
+
+
+def make_workload(ns: argparse.Namespace, seed: int) -> Workload:
+    rng = random.Random(seed)
+    short_lo, short_hi, long_lo, long_hi = 50, 200, 2000, 8000
+    p_long = ns.long_fraction
+    mean_tokens = (1 - p_long) * (short_lo + short_hi) / 2 + p_long * (long_lo + long_hi) / 2
+    capacity_rps = NUM_RANKS * ns.rank_tokens_per_s / mean_tokens
+    rate = ns.utilization * capacity_rps
+    burst_size_mean = (ns.burst_min + ns.burst_max) / 2
+    burst_rate = ns.burst_fraction * rate / burst_size_mean
+    bg_rate = (1 - ns.burst_fraction) * rate
+    times = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(bg_rate)
+        if t >= ns.sim_seconds:
+            break
+        times.append(t)
+    t = 0.0
+    while True:
+        t += rng.expovariate(burst_rate)
+        if t >= ns.sim_seconds:
+            break
+        s = t
+        for _ in range(rng.randint(ns.burst_min, ns.burst_max)):
+            s += rng.expovariate(1.0 / ns.burst_gap_s)
+            times.append(s)
+    times.sort()
+    tokens = [
+        rng.randint(long_lo, long_hi) if rng.random() < p_long else rng.randint(short_lo, short_hi)
+        for _ in times
+    ]
+    rooms = [rng.getrandbits(63) for _ in times]
+    return Workload(times, tokens, rooms, ns.sim_seconds, rate, mean_tokens)
+
+
+class _SimReq:
+    __slots__ = ("arrival", "tokens", "remaining", "done")
+
+    def __init__(self, arrival: float, tokens: int):
+        self.arrival = arrival
+        self.tokens = tokens
+        self.remaining = tokens
+        self.done = -1.0
+
+
+class _SimRank:
+    __slots__ = ("idx", "inbox", "queue", "step", "busy", "out_reqs", "out_tokens",
+                 "vis_reqs", "vis_tokens")
+
+    def __init__(self, idx: int):
+        self.idx = idx
+        self.inbox: list[_SimReq] = []  # dispatched, not yet read by the scheduler
+        self.queue: deque[_SimReq] = deque()  # read, unfinished (FIFO)
+        self.step: list[tuple[_SimReq, int]] = []
+        self.busy = False
+        self.out_reqs = self.out_tokens = 0  # the truth: dispatched and unfinished
+        self.vis_reqs = self.vis_tokens = 0  # the scheduler's own view (what it publishes)
+
+    def snapshot(self, t: float) -> LoadSnapshot:
+        running = len(self.step) if self.busy else 0
+        return LoadSnapshot(dp_rank=self.idx, timestamp=t, num_running_reqs=running,
+                            num_waiting_reqs=self.vis_reqs - running,
+                            num_total_tokens=self.vis_tokens)
+
+
+@dataclass
+class SimRaw:
+    """One replay: the sampled ratios and each request's arrival -> finish time."""
+    req_ratios: list[float]
+    tok_ratios: list[float]
+    totals: list[int]  # outstanding requests at each kept sample
+    samples_total: int
+    completion_ms: list[float]
+    short_ms: list[float]  # requests of <= 200 tokens
+
+
+@dataclass
+class BalanceRow:
+    label: str
+    method: str
+    refresh: str
+    board: str
+    # mean, share of samples >= 2, worst, worst while busy (>= BUSY_PER_RANK per rank)
+    req_ratio: tuple[float, float, float, float]
+    tok_ratio: tuple[float, float, float, float]
+    samples: int
+    samples_total: int
+    completion_ms: tuple[float, float]  # p50, p99 arrival -> finished
+    short_p99_ms: float
+
+
+def simulate(wl: Workload, method: str, refresh_interval: float, ns: argparse.Namespace,
+             live_board: bool = False) -> SimRaw:
+    """Replay the workload against the real Dispatcher on simulated time."""
+    ranks = [_SimRank(i) for i in range(NUM_RANKS)]
+    clock_now = [0.0]
+    board: list[LoadSnapshot | None] = [None] * NUM_RANKS
+
+    def read_loads():
+        if live_board:  # every rank republishes its (lagging) view on every read
+            return [r.snapshot(clock_now[0]) for r in ranks]
+        return list(board)
+
+    disp = Dispatcher(method, NUM_RANKS, NUM_RANKS,
+                      read_loads=read_loads if method in LOAD_AWARE else None,
+                      refresh_interval=refresh_interval, clock=lambda: clock_now[0])
+    chunk, rate = ns.chunk, float(ns.rank_tokens_per_s)
+    events: list[tuple[float, int, int]] = []  # (step end, seq, rank)
+    seq = 0
+
+    def start_step(rank: _SimRank, t: float) -> None:
+        nonlocal seq
+        for req in rank.inbox:  # the scheduler reads its socket between steps
+            rank.queue.append(req)
+            rank.vis_reqs += 1
+            rank.vis_tokens += req.tokens
+        rank.inbox.clear()
+        if not rank.queue:
+            rank.busy = False
+            rank.step = []
+            return
+        budget = chunk
+        step = []
+        for req in rank.queue:
+            take = min(req.remaining, budget)
+            step.append((req, take))
+            budget -= take
+            if budget == 0:
+                break
+        rank.step = step
+        rank.busy = True
+        seq += 1
+        heapq.heappush(events, (t + (chunk - budget) / rate, seq, rank.idx))
+
+    def end_step(rank: _SimRank, t: float) -> None:
+        for req, take in rank.step:
+            req.remaining -= take
+            if req.remaining == 0:
+                req.done = t
+                rank.queue.popleft()  # steps take from the head: finished ones are a prefix
+                rank.out_reqs -= 1
+                rank.out_tokens -= req.tokens
+                rank.vis_reqs -= 1
+                rank.vis_tokens -= req.tokens
+        start_step(rank, t)
+
+    reqs = [_SimReq(a, k) for a, k in zip(wl.arrivals, wl.tokens)]
+    rooms = wl.rooms
+    n = len(reqs)
+    i = 0
+    k_snap = k_samp = 0
+    sample_period = ns.sample_ms / 1000.0
+    req_ratios: list[float] = []
+    tok_ratios: list[float] = []
+    totals: list[int] = []
+    samples_total = 0
+    inf = float("inf")
+    end = wl.duration
+    while True:
+        t_step = events[0][0] if events else inf
+        t_arr = reqs[i].arrival if i < n else inf
+        t_snap = k_snap * SNAPSHOT_PERIOD_S
+        t_snap = t_snap if t_snap <= end and not live_board else inf
+        t_samp = k_samp * sample_period
+        t_samp = t_samp if t_samp <= end else inf
+        t = min(t_step, t_arr, t_snap, t_samp)
+        if t == inf:
+            break
+        if t == t_step:
+            _, _, idx = heapq.heappop(events)
+            end_step(ranks[idx], t)
+        elif t == t_arr:
+            req = reqs[i]
+            clock_now[0] = t
+            slot = disp.dispatch(DispatchItem(req.tokens, None, rooms[i]))
+            rank = ranks[slot]
+            rank.inbox.append(req)
+            rank.out_reqs += 1
+            rank.out_tokens += req.tokens
+            if not rank.busy:
+                start_step(rank, t)
+            i += 1
+        elif t == t_snap:
+            for r in ranks:
+                board[r.idx] = r.snapshot(t)
+            k_snap += 1
+        else:
+            samples_total += 1
+            total_reqs = sum(r.out_reqs for r in ranks)
+            if total_reqs >= NUM_RANKS:
+                totals.append(total_reqs)
+                req_ratios.append(max(r.out_reqs for r in ranks) * NUM_RANKS / total_reqs)
+                total_tok = sum(r.out_tokens for r in ranks)
+                tok_ratios.append(max(r.out_tokens for r in ranks) * NUM_RANKS / total_tok)
+            k_samp += 1
+
+    return SimRaw(
+        req_ratios, tok_ratios, totals, samples_total,
+        [(r.done - r.arrival) * 1000 for r in reqs],
+        [(r.done - r.arrival) * 1000 for r in reqs if r.tokens <= 200],
+    )
+
+
+def _ratio_summary(vals: list[float], totals: list[int]) -> tuple[float, float, float, float]:
+    if not vals:
+        return (float("nan"),) * 4
+    busy = [v for v, n in zip(vals, totals) if n >= BUSY_PER_RANK * NUM_RANKS]
+    return (statistics.fmean(vals), sum(1 for v in vals if v >= 2.0) / len(vals), max(vals),
+            max(busy) if busy else float("nan"))
+
+
+def balance_row(label: str, method: str, refresh_interval: float, live_board: bool,
+                runs: list[SimRaw]) -> BalanceRow:
+    """Samples and requests of every seed pooled."""
+    req = [v for r in runs for v in r.req_ratios]
+    tok = [v for r in runs for v in r.tok_ratios]
+    totals = [n for r in runs for n in r.totals]
+    lat = [v for r in runs for v in r.completion_ms]
+    short = [v for r in runs for v in r.short_ms]
+    refresh = "every request" if refresh_interval == 0 else f"{refresh_interval * 1000:g} ms"
+    return BalanceRow(
+        label=label, method=method, refresh=refresh if method in LOAD_AWARE else "-",
+        board="republished on every read" if live_board else
+        f"snapshot every {SNAPSHOT_PERIOD_S * 1000:g} ms",
+        req_ratio=_ratio_summary(req, totals), tok_ratio=_ratio_summary(tok, totals),
+        samples=len(req), samples_total=sum(r.samples_total for r in runs),
+        completion_ms=(percentile(lat, 50), percentile(lat, 99)),
+        short_p99_ms=percentile(short, 99),
+    )
+
+
+def balance_variants() -> list[tuple[str, str, float, bool]]:
+    """(label, method, refresh interval, live board)"""
+    rows = [(m, m, REFRESH_INTERVAL_S, False) for m in METHODS]
+    rows += [
+        ("total_requests, refresh every request", "total_requests", 0.0, False),
+        ("total_tokens, refresh every request", "total_tokens", 0.0, False),
+        ("total_requests, live board, refresh every request", "total_requests", 0.0, True),
+        ("total_requests, live board, 20 ms throttle", "total_requests", REFRESH_INTERVAL_S,
+         True),
+    ]
+    return rows
+
+
+def run_balance(ns: argparse.Namespace, log) -> tuple[list[Workload], list[BalanceRow]]:
+    workloads = [make_workload(ns, ns.seed + k) for k in range(ns.seeds)]
+    rows = []
+    for label, method, interval, live in balance_variants():
+        runs = [simulate(wl, method, interval, ns, live_board=live) for wl in workloads]
+        rows.append(balance_row(label, method, interval, live, runs))
+    log(f"balance: {sum(len(w.arrivals) for w in workloads)} requests x {len(rows)} variants")
+    return workloads, rows
+
+
+# --------------------------------------------------------------------------------- output
+
+
+def code_version() -> str:
+    """The commit measured, and whether the controller's code differs from it."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "common"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
+    return f"{head or 'n/a'}{' + uncommitted common/ changes' if dirty else ''}"
+
+
+def header(load_before: str) -> str:
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    return "\n".join([
+        "| date | commit | python | pyzmq (libzmq) | msgspec | CPU | load avg 1/5/15 min "
+        "(before; after) |",
+        "|---|---|---|---|---|---|---|",
+        f"| {now} | {code_version()} | {platform.python_version()} | {zmq.__version__} "
+        f"({zmq.zmq_version()}) | {msgspec.__version__} | {cpu_model()}, {os.cpu_count()} "
+        f"logical cores | {load_before}; {load_average()} |",
+        "",
+        "torch is not needed (not imported).",
+    ])
+
+
+def verdict(r: MethodResult, ok: bool) -> str:
+    return "-" if r.reports_ok is None else "met" if ok else "missed"
+
+
+def format_throughput(results: list[MethodResult], ns: argparse.Namespace) -> str:
+    long = ""
+    if ns.long_prompt_tokens:
+        long = f", {ns.long_requests:,} with {ns.long_prompt_tokens}"
+    out = [
+        f"### Controller throughput ({ns.requests:,} requests per run with "
+        f"{ns.prompt_tokens}-token prompts{long}; best / median of {ns.repeats}; "
+        f"target >= {TARGET_DISPATCH_PER_S:,}/s)",
+        "",
+        "| method | prompt tokens | dispatches/s best | dispatches/s median | front end send/s | "
+        "process CPU us/dispatch | process CPU use (incl. zmq I/O thread) | per-rank share | "
+        "reports | target |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    rows = [(r, r.throughput, ns.prompt_tokens) for r in results]
+    rows += [(r, r.long_throughput, ns.long_prompt_tokens) for r in results if r.long_throughput]
+    for r, tp, tokens in rows:
+        total = sum(tp.per_rank) or 1
+        share = "/".join(f"{c * 100 / total:.0f}" for c in tp.per_rank)
+        med_s = statistics.median(tp.seconds)
+        cpu_use = statistics.median(tp.ctrl_cpu_us) * 1e-6 * tp.n / med_s
+        out.append(
+            f"| {r.method} | {tokens} | {tp.best:,.0f} | {tp.median:,.0f} | "
+            f"{tp.n / statistics.median(tp.send_seconds):,.0f} | "
+            f"{statistics.median(tp.ctrl_cpu_us):.1f} | {cpu_use * 100:.0f} % | {share} % | "
+            f"{'-' if r.reports_ok is None else 'complete' if r.reports_ok else 'MISSING'} | "
+            f"{verdict(r, tp.best >= TARGET_DISPATCH_PER_S)} |"
+        )
+    out += [
+        "",
+        "Dispatches/s = requests / (first send -> last arrival at a scheduler socket). The front "
+        "end sends pre-encoded requests; once 1,000 are queued (the PUSH high-water mark) it "
+        "waits, so its send rate follows the controller's. Process CPU: all its threads, from "
+        "/proc/PID/task/*/schedstat. "
+        "Baselines: Python processes wired like the controller that do only part of its work "
+        "(round robin, no Dispatcher): `recv()` -> `send()` (the ceiling of any Python forwarder "
+        "here); + blocking on a zmq.Poller and draining with NOBLOCK, as run_forever does; + "
+        "msgspec decode and re-encode; + one DispatchReport per drain.",
+    ]
+    return "\n".join(out)
+
+
+def format_latency(results: list[MethodResult], ns: argparse.Namespace) -> str:
+    out = [
+        f"### Per-hop latency ({ns.latency_samples:,} requests one at a time, send -> arrival at a "
+        f"scheduler socket, us; target: added p50 < {TARGET_ADDED_P50_US:g} us)",
+        "",
+        "| method | via controller p50 | via controller p99 | direct PUSH->PULL p50 | direct "
+        "p99 | added p50 | added p99 | target |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results:
+        v50, v99 = percentile(r.latency.via_us, 50), percentile(r.latency.via_us, 99)
+        d50, d99 = percentile(r.latency.direct_us, 50), percentile(r.latency.direct_us, 99)
+        out.append(
+            f"| {r.method} | {v50:.1f} | {v99:.1f} | {d50:.1f} | {d99:.1f} | {v50 - d50:.1f} | "
+            f"{v99 - d99:.1f} | "
+            f"{verdict(r, v50 - d50 < TARGET_ADDED_P50_US)} |"
+        )
+    out += [
+        "",
+        "Each sample through the controller (front end -> controller -> scheduler socket: two "
+        "hops) is paired with one direct PUSH -> PULL sample (one hop), alternating which goes "
+        f"first, each after {ns.latency_gap_us:g} us of quiet (every process asleep when a request "
+        f"arrives), in blocks of {latency_block(ns)} requests per row, the rows taking turns; "
+        "\"added\" = the "
+        "controller's cost: one more hop plus its processing. The "
+        "baseline rows split that cost: the extra hop alone, then the Poller, the codec and the "
+        "report added one by one (the controller adds its Dispatcher and bookkeeping on top).",
+    ]
+    return "\n".join(out)
+
+
+def format_profile(p: ProfileResult) -> str:
+    out = [
+        "### In-process ControllerLoop (real run_forever on pre-queued requests; no other process "
+        "of the benchmark running; best of the repeats, methods interleaved)",
+        "",
+        f"| method | thread CPU us/dispatch | wall us/dispatch | ceiling dispatches/s | "
+        f"{p.long_tokens}-token prompts: thread CPU us | wall us | ceiling/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in METHODS:
+        out.append(f"| {m} | {p.thread_cpu_us[m]:.1f} | {p.wall_us[m]:.1f} | "
+                   f"{1e6 / p.wall_us[m]:,.0f} | {p.long_cpu_us[m]:.1f} | "
+                   f"{p.long_wall_us[m]:.1f} | {1e6 / p.long_wall_us[m]:,.0f} |")
+    out += [
+        "",
+        f"#### cProfile of run_forever, {p.method}, {p.n:,} dispatches (profiler overhead "
+        "inflates Python-level calls)",
+        "",
+        "| function | own us/dispatch | cumulative us/dispatch | calls |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, tt, ct, calls in p.top:
+        out.append(f"| `{name}` | {tt:.2f} | {ct:.2f} | {calls:,} |")
+    out += [
+        "",
+        "#### Cost of each step alone (us per request, no profiler, best of 3)",
+        "",
+        "| step | us | note |",
+        "|---|---:|---|",
+    ]
+    for name, us, note in p.components:
+        out.append(f"| {name} | {us:.2f} | {note} |")
+    return "\n".join(out)
+
+
+def format_balance(workloads: list[Workload], rows: list[BalanceRow],
+                   ns: argparse.Namespace) -> str:
+    tokens = [k for wl in workloads for k in wl.tokens]
+    n_long = sum(1 for k in tokens if k >= 2000)
+    wl = workloads[0]
+    seeds = ", ".join(str(ns.seed + k) for k in range(len(workloads)))
+    out = [
+        f"### Balance quality ({len(workloads)} x {wl.duration:g} s simulated, "
+        f"{len(tokens):,} requests, {wl.rate:.0f} req/s = {ns.utilization * 100:.0f} % of "
+        f"{NUM_RANKS} ranks x {ns.rank_tokens_per_s:,} tok/s; seeds {seeds})",
+        "",
+        f"Workload: {100 - n_long * 100 / len(tokens):.0f} % 50-200 tokens, "
+        f"{n_long * 100 / len(tokens):.0f} % 2,000-8,000 tokens (mean {wl.mean_tokens:.0f}); "
+        f"{(1 - ns.burst_fraction) * 100:.0f} % Poisson background, "
+        f"{ns.burst_fraction * 100:.0f} % in Poisson bursts of {ns.burst_min}-{ns.burst_max} "
+        f"requests {ns.burst_gap_s * 1e3:g} ms apart on average. Ranks: FIFO steps of <= "
+        f"{ns.chunk} tokens, socket read between steps; board snapshots every "
+        f"{SNAPSHOT_PERIOD_S * 1e3:g} ms (\"republished on every read\": a board that is always "
+        "fresh but still shows each rank's own, lagging view). Ratio = max/mean across ranks of "
+        f"outstanding requests (tokens), sampled every {ns.sample_ms:g} ms while >= 1 request per "
+        "rank is outstanding on average; 1.00 = even, 4.00 = all on one rank. \">= 2\": share of "
+        "samples where one rank holds at least twice the mean; \"worst busy\": worst sample with "
+        f">= {BUSY_PER_RANK} outstanding requests per rank on average. Completion: arrival -> "
+        "last token "
+        "computed; short = <= 200 tokens.",
+        "",
+        "| method | refresh | board | req ratio mean | >= 2 | worst | worst busy | token ratio "
+        "mean | >= 2 | worst | worst busy | completion p50 ms | p99 ms | short p99 ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        rm, r2, rx, rb = r.req_ratio
+        tm, t2, tx, tb = r.tok_ratio
+        out.append(
+            f"| {r.method} | {r.refresh} | {r.board} | {rm:.2f} | {r2 * 100:.0f} % | {rx:.2f} | "
+            f"{rb:.2f} | {tm:.2f} | {t2 * 100:.0f} % | {tx:.2f} | {tb:.2f} | "
+            f"{r.completion_ms[0]:.0f} | {r.completion_ms[1]:.0f} | {r.short_p99_ms:.0f} |"
+        )
+    samples = rows[0].samples_total if rows else 0
+    out += ["", f"{samples:,} samples per row; rows with >= 1 outstanding request per rank: "
+            + ", ".join(f"{r.samples * 100 / max(1, r.samples_total):.0f} %" for r in rows)
+            + " (in row order)."]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few seconds: small counts")
+    p.add_argument("--requests", type=int, default=20_000, help="per throughput run")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="throughput and in-process runs per method (best and median shown)")
+    p.add_argument("--warmup", type=int, default=1_000)
+    p.add_argument("--latency-samples", type=int, default=3_000)
+    p.add_argument("--latency-gap-us", type=float, default=300.0,
+                   help="quiet time before each latency sample")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--long-prompt-tokens", type=int, default=2048,
+                   help="a second throughput run with long prompts (0: skip)")
+    p.add_argument("--long-requests", type=int, default=5_000)
+    p.add_argument("--profile-requests", type=int, default=20_000)
+    p.add_argument("--profile-method", default="total_tokens", choices=METHODS)
+    p.add_argument("--skip-controller", action="store_true", help="balance simulation only")
+    p.add_argument("--skip-balance", action="store_true", help="controller benchmark only")
+    p.add_argument("--seed", type=int, default=0, help="first workload seed")
+    p.add_argument("--seeds", type=int, default=3, help="workloads replayed (seed, seed+1, ..)")
+    p.add_argument("--sim-seconds", type=float, default=120.0)
+    p.add_argument("--utilization", type=float, default=0.8,
+                   help="offered tokens / total rank capacity")
+    p.add_argument("--rank-tokens-per-s", type=int, default=40_000)
+    p.add_argument("--chunk", type=int, default=2048, help="tokens per rank step")
+    p.add_argument("--long-fraction", type=float, default=0.2)
+    p.add_argument("--burst-fraction", type=float, default=0.4,
+                   help="share of requests that arrive in bursts")
+    p.add_argument("--burst-min", type=int, default=16)
+    p.add_argument("--burst-max", type=int, default=64)
+    p.add_argument("--burst-gap-s", type=float, default=1e-4,
+                   help="mean gap between the requests of a burst")
+    p.add_argument("--sample-ms", type=float, default=1.0)
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.requests, ns.repeats, ns.warmup = 1_000, 2, 100
+        ns.latency_samples, ns.profile_requests, ns.sim_seconds = 100, 1_000, 8.0
+        ns.seeds, ns.long_requests = 1, 200
+    return ns
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ns = parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    load_before = load_average()
+    rng = random.Random(ns.seed)
+    results: list[MethodResult] = []
+    prof = None
+    balance = None
+    with tempfile.TemporaryDirectory(prefix="bench-dispatch-") as tmp:
+        if not ns.skip_controller:
+            rig = Rig(tmp)
+            try:
+                results = bench_controllers(rig, ns, rng, log)
+            finally:
+                rig.close()
+            prof = profile_controller(ns, tmp, rng, log)
+    if not ns.skip_balance:
+        balance = run_balance(ns, log)
+
+    print("## bench_dispatch: DP controller dispatch throughput and balance")
+    print()
+    print(header(load_before))
+    print()
+    if results:
+        print(format_throughput(results, ns))
+        print()
+        print(format_latency(results, ns))
+        print()
+    if prof is not None:
+        print(format_profile(prof))
+        print()
+    if balance is not None:
+        print(format_balance(*balance, ns))
+        print()
+    print(f"total {time.perf_counter() - start:.0f} s")
+    return {"controller": results, "profile": prof, "balance": balance}
+
+
+if __name__ == "__main__":
+    main()
