@@ -68,6 +68,8 @@ for _p in (REPO_ROOT, BENCH_DIR):
         sys.path.insert(0, str(_p))
 
 import msgspec  # noqa: E402
+
+from benchmarks.machine import cpu_model  # noqa: E402
 import zmq  # noqa: E402
 
 from common.config import ServerArgs  # noqa: E402
@@ -92,16 +94,6 @@ now_ns = time.monotonic_ns
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def load_average() -> str:

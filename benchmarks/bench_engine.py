@@ -56,6 +56,8 @@ for _p in (REPO_ROOT, REPO_ROOT / "tests"):  # `common` and `tiny_models` withou
 
 import torch  # noqa: E402
 
+from benchmarks.machine import cpu_model  # noqa: E402
+
 from common.config import ServerArgs  # noqa: E402
 from common.engine.engine import EngineCore  # noqa: E402
 from common.engine.loader import load_engine_parts  # noqa: E402
@@ -99,16 +101,6 @@ class Row:
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def model_folder(name: str, workdir: Path) -> Path:

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.machine import cpu_model  # noqa: E402
 from common.engine.kv_pool import PagedKVPool  # noqa: E402
 from common.transfer.base import KVPoll  # noqa: E402
 from common.transfer.tcp import TcpKVReceiver, TcpKVSender, TransferTrailer  # noqa: E402
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sizes = [1, 16] if args.quick else [int(s) for s in args.sizes_mib.split(",")]
     repeats = 2 if args.quick else args.repeats
     print(f"# KV transfer, tcp backend vs raw loopback socket ({time.strftime('%Y-%m-%d')}, "
-          f"{platform.processor() or platform.machine()}, python {platform.python_version()}, "
+          f"{cpu_model()}, python {platform.python_version()}, "
           f"torch {torch.__version__})")
     print(f"layout: {LAYERS} layers x K/V x {HEADS} heads x {DIM} dims fp32, {PAGE}-token pages "
           f"({BYTES_PER_PAGE / 2**20:.2f} MiB per page); destination pages scattered\n")

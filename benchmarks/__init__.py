@@ -1,0 +1,1 @@
+"""Benchmark commands; each prints its figures and is recorded in docs/benchmarks.md."""
