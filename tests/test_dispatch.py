@@ -177,3 +177,27 @@ def test_burst_within_one_window_spreads_evenly_but_refresh_every_time_concentra
     assert max(loads.values()) - min(loads.values()) <= 1
     concentrated = burst(0.0)
     assert concentrated == {0: 1000}
+
+
+def test_controller_reads_routing_fields_without_decoding_prompts():
+    import msgspec
+
+    from common.messages import scheduler_input as si
+    from common.messages.sampling import SamplingParams
+
+    for n in (0, 5, 15, 16, 300, 70_000):
+        req = si.GenerateRequest(rid="r", input_ids=list(range(n)), sampling=SamplingParams(),
+                                 routed_dp_rank=2, bootstrap_room=9)
+        raw = si.encoder.encode(req)
+        view = si.controller_decoder.decode(raw)
+        assert isinstance(view, si.RoutedGenerate)
+        assert (view.rid, view.routed_dp_rank, view.bootstrap_room) == ("r", 2, 9)
+        assert si.encoded_array_len(view.input_ids) == n
+        assert si.decoder.decode(raw) == req  # forwarded bytes are the original request
+    batch = si.controller_decoder.decode(si.encoder.encode(si.GenerateBatch(requests=[req, req])))
+    assert isinstance(batch, si.RoutedBatch)
+    assert si.decoder.decode(bytes(batch.requests[1])) == req
+    assert isinstance(si.controller_decoder.decode(si.encoder.encode(si.AbortRequest(rid="r"))),
+                      si.AbortRequest)
+    with pytest.raises(ValueError):
+        si.encoded_array_len(msgspec.msgpack.decode(msgspec.msgpack.encode(3), type=msgspec.Raw))

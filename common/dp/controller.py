@@ -1,7 +1,8 @@
 """The DataParallelController process: a thin ZMQ loop around `Dispatcher`.
 
     PULL controller_input  GenerateRequest | GenerateBatch | AbortRequest | control | SetSlotState
-      -> Dispatcher picks a rank           -> PUSH scheduler_input[rank]
+      -> Dispatcher picks a rank           -> PUSH scheduler_input[rank] (the request's own
+                                              bytes: only routing fields are decoded here)
       -> DispatchReport (ranks, failures)  -> PUSH frontend_input
     replies go scheduler -> detokenizer -> front end, never through here.
     PULL load relay (multi-node, load-aware methods only): other nodes' snapshots -> board
@@ -73,23 +74,29 @@ class ControllerLoop:
         while True:
             if self.relay is None:
                 # One input socket: a blocking recv wakes faster than a Poller wait.
-                self.handle(scheduler_input.decoder.decode(self.recv.recv()))
+                self.handle_raw(self.recv.recv())
             else:
                 self.poller.poll()
                 for raw in drain_nowait(self.relay):
                     write_relayed(self.relay_board, raw)
             # Everything already queued is handled before reporting, so reports batch up.
             for raw in drain_nowait(self.recv):
-                self.handle(scheduler_input.decoder.decode(raw))
+                self.handle_raw(raw)
             self.flush_report()
 
     # ---- message handling ----------------------------------------------------------------
-    def handle(self, msg) -> None:
-        if isinstance(msg, scheduler_input.GenerateRequest):
-            self._dispatch([msg])
-        elif isinstance(msg, scheduler_input.GenerateBatch):
-            self._dispatch(msg.requests)
-        elif isinstance(msg, scheduler_input.AbortRequest):
+    def handle_raw(self, raw: bytes) -> None:
+        msg = scheduler_input.controller_decoder.decode(raw)
+        if isinstance(msg, scheduler_input.RoutedGenerate):
+            self._dispatch([(msg, raw)])
+        elif isinstance(msg, scheduler_input.RoutedBatch):
+            decode = scheduler_input.routed_generate_decoder.decode
+            self._dispatch([(decode(item), bytes(item)) for item in msg.requests])
+        else:
+            self.handle_control(msg)
+
+    def handle_control(self, msg) -> None:
+        if isinstance(msg, scheduler_input.AbortRequest):
             ranks = [msg.dp_rank] if msg.dp_rank is not None else self._started_ranks()
             for rank in ranks:
                 self.workers[rank].send(scheduler_input.encoder.encode(msg))
@@ -104,15 +111,20 @@ class ControllerLoop:
     def _started_ranks(self) -> list[int]:
         return [r for r in range(self.dispatcher.num_slots) if self.dispatcher.is_available(r)]
 
-    def _dispatch(self, reqs: list[scheduler_input.GenerateRequest]) -> None:
-        items = [DispatchItem(len(r.input_ids), r.routed_dp_rank, r.bootstrap_room) for r in reqs]
-        for req, rank in zip(reqs, self.dispatcher.place_batch(items)):
+    def _dispatch(self, reqs: list[tuple[scheduler_input.RoutedGenerate, bytes]]) -> None:
+        """Place each request and forward its original bytes to the chosen rank."""
+        items = [
+            DispatchItem(scheduler_input.encoded_array_len(r.input_ids), r.routed_dp_rank,
+                         r.bootstrap_room)
+            for r, _ in reqs
+        ]
+        for (req, raw), rank in zip(reqs, self.dispatcher.place_batch(items)):
             if isinstance(rank, DispatchError):
                 self._failed.append(DispatchFailure(
                     rid=req.rid, status=rank.status, message=rank.message, param=rank.param
                 ))
                 continue
-            self.workers[rank].send(scheduler_input.encoder.encode(req))
+            self.workers[rank].send(raw)
             self._rids.append(req.rid)
             self._ranks.append(rank)
             self.num_dispatched += 1
