@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.messages.sampling import SamplingParams  # noqa: E402
 from engine_utils import EngineHarness, greedy  # noqa: E402
 from tiny_models import build_tiny_checkpoint  # noqa: E402
 
@@ -63,7 +64,7 @@ def check_smollm2() -> bool:
     question = tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}]), add_special_tokens=False)
     harness = EngineHarness(folder, device="cuda", dtype="bfloat16", max_total_tokens=65536)
-    harness.add("q", question, greedy(16, ignore_eos=False))
+    harness.add("q", question, SamplingParams(max_new_tokens=16, temperature=0.0))
     harness.run()
     answer = tokenizer.decode(harness.outputs["q"])
     print(f"SmolLM2 bf16 on CUDA: {answer!r}")
