@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
             from transformers import AutoModelForCausalLM
 
             transformers.utils.logging.disable_progress_bar()
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train(False)
         print(f"# {ns.model}, prompt {ns.prompt_len}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, {ns.clock} clock, {OP_TIMER} op timer, "
               f"{ns.steps} decode steps "

@@ -81,7 +81,7 @@ def load_engine_parts(args: ServerArgs, model_path: str) -> LoadedModel:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, model_path)
-    model = model.to(dtype).eval()
+    model = model.to(dtype).train(False)
     element = torch.tensor([], dtype=dtype).element_size()
     bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
     capacity = kv_capacity_tokens(args, bytes_per_token, device)
