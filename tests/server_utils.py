@@ -119,10 +119,6 @@ class ServerProcess:
         self.proc.wait(5)
         return self.proc.returncode
 
-    def children_pids(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
-
     def stats(self) -> dict:
         status, info = http_json(self.url + "/get_server_info")
         assert status == 200, info

@@ -9,7 +9,7 @@ import torch
 
 from common.engine.kv_pool import PagedKVPool
 from common.transfer.base import KVPoll, contiguous_runs
-from common.transfer.tcp import TransferTrailer
+from common.transfer.base import TransferTrailer
 from common.transfer.torch_dist import RECEIVER, SENDER, TorchPairChannel
 from server_utils import free_port
 

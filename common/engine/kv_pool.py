@@ -82,11 +82,6 @@ class PagedKVPool:
     def capacity_tokens(self) -> int:
         return self.allocator.num_total_pages * self.page_size
 
-    @property
-    def bytes_per_token(self) -> int:
-        per_layer = self.k.shape[2] * self.k.shape[3] * self.k.element_size()
-        return 2 * self.k.shape[0] * per_layer
-
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 

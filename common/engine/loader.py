@@ -83,8 +83,7 @@ def load_engine_parts(args: ServerArgs, model_path: str) -> LoadedModel:
     load_weights(model, model_path)
     model = model.to(dtype).train(False)
     element = torch.tensor([], dtype=dtype).element_size()
-    bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element
-    capacity = kv_capacity_tokens(args, bytes_per_token, device)
+    capacity = kv_capacity_tokens(args, cfg.kv_bytes_per_token(element), device)
     num_pages = capacity // args.page_size
     if num_pages < 1:
         raise ValueError(

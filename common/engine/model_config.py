@@ -51,9 +51,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
 
-    @property
-    def kv_bytes_per_token_fp32(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """K and V of every layer for one token."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_size
 
 
 def _int_list(value: Any) -> tuple[int, ...]:

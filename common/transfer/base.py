@@ -75,6 +75,13 @@ def contiguous_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[
     return runs
 
 
+class TransferTrailer(msgspec.Struct, kw_only=True, frozen=True):
+    """What decode needs besides the KV: the first output token and its logprob."""
+
+    first_token: int
+    logprob: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """What both sides must agree on before any byte moves."""

@@ -33,7 +33,14 @@ import msgspec
 import torch
 
 from common.engine.kv_pool import PagedKVPool
-from common.transfer.base import KVLayout, KVPoll, PageRun, TransferState, contiguous_runs
+from common.transfer.base import (
+    KVLayout,
+    KVPoll,
+    PageRun,
+    TransferState,
+    TransferTrailer,
+    contiguous_runs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +56,6 @@ class TransferHeader(msgspec.Struct, kw_only=True, frozen=True):
     num_kv_heads: int
     head_dim: int
     dtype: str
-
-
-class TransferTrailer(msgspec.Struct, kw_only=True, frozen=True):
-    """What decode needs besides the KV: the first output token and its logprob."""
-
-    first_token: int
-    logprob: float | None = None
 
 
 def pool_layout(pool: PagedKVPool) -> KVLayout:

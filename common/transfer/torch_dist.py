@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from common.engine.kv_pool import PagedKVPool
-from common.transfer.base import KVPoll, PageRun, TransferState
-from common.transfer.tcp import TransferTrailer
+from common.transfer.base import KVPoll, PageRun, TransferState, TransferTrailer
 
 SENDER, RECEIVER = 0, 1
 
