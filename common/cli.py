@@ -1,6 +1,8 @@
 """The `pdserve` command.
 
     pdserve serve [flags]      one colocated service (HTTP front end, scheduler, detokenizer)
+    pdserve prefill [flags]    the prefill side of a PD pair (serve --disaggregation-mode prefill)
+    pdserve decode [flags]     the decode side of a PD pair (serve --disaggregation-mode decode)
     pdserve prepare-model      convert the embedded SmolLM2-135M-Instruct once; print its folder
 """
 
@@ -17,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run a colocated service (prefill and decode together)")
     add_server_args(serve)
+    for mode in ("prefill", "decode"):
+        side = sub.add_parser(mode, help=f"run the {mode} side of a PD deployment")
+        add_server_args(side)
+        side.set_defaults(disaggregation_mode=mode)
     sub.add_parser("prepare-model", help="prepare the embedded default model and print its path")
     return parser
 
@@ -28,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(ensure_default_model())
         return 0
+    if ns.command in ("prefill", "decode") and ns.disaggregation_mode != ns.command:
+        print(f"pdserve: error: `pdserve {ns.command}` runs with --disaggregation-mode "
+              f"{ns.command} (got {ns.disaggregation_mode})", file=sys.stderr)
+        return 2
     try:
         args = server_args_from_namespace(ns)
     except ConfigError as exc:

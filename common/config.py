@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("auto", "tcp", "torch", "fake")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_BALANCE_METHODS = (
     "auto", "round_robin", "follow_bootstrap_room", "total_requests", "total_tokens",
@@ -37,6 +38,12 @@ class ServerArgs:
     chunked_prefill_size: int = 512
     context_length: int | None = None
     disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "auto"
+    disaggregation_bootstrap_timeout: float = 300.0
+    disaggregation_waiting_timeout: float = 300.0
+    disaggregation_transfer_timeout: float = 300.0
+    disaggregation_heartbeat_interval: float = 2.0
     dp_size: int = 1
     max_ep_size: int | None = None
     load_balance_method: str = "auto"
@@ -70,6 +77,15 @@ class ServerArgs:
              "--context-length must be >= 2"),
             (self.disaggregation_mode, self.disaggregation_mode in DISAGGREGATION_MODES,
              f"--disaggregation-mode must be one of {DISAGGREGATION_MODES}"),
+            (self.disaggregation_bootstrap_port, 0 < self.disaggregation_bootstrap_port < 65536,
+             "--disaggregation-bootstrap-port must be in [1, 65535]"),
+            (self.disaggregation_transfer_backend,
+             self.disaggregation_transfer_backend in TRANSFER_BACKENDS,
+             f"--disaggregation-transfer-backend must be one of {TRANSFER_BACKENDS}"),
+            *[(getattr(self, f"disaggregation_{name}"), getattr(self, f"disaggregation_{name}") > 0,
+               f"--disaggregation-{name.replace('_', '-')} must be > 0")
+              for name in ("bootstrap_timeout", "waiting_timeout", "transfer_timeout",
+                           "heartbeat_interval")],
             (self.dp_size, self.dp_size >= 1, "--dp-size must be >= 1"),
             (self.max_ep_size, self.max_ep_size is None or self.max_ep_size >= self.dp_size,
              "--max-ep-size must be >= --dp-size"),
@@ -133,7 +149,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
       help="max prompt tokens per extend batch; -1 disables chunked prefill")
     a("--context-length", type=int, default=d.context_length,
       help="max prompt + output tokens (default: the model's max_position_embeddings)")
-    a("--disaggregation-mode", default=d.disaggregation_mode, choices=DISAGGREGATION_MODES)
+    a("--disaggregation-mode", default=d.disaggregation_mode, choices=DISAGGREGATION_MODES,
+      help="null: colocated; prefill/decode: one side of a PD pair (same as `pdserve prefill` "
+           "/ `pdserve decode`)")
+    a("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,
+      help="prefill: port of the bootstrap server where DP ranks register and decode asks "
+           "for the topology")
+    a("--disaggregation-transfer-backend", default=d.disaggregation_transfer_backend,
+      choices=TRANSFER_BACKENDS,
+      help="KV transfer: tcp (CPU pools), torch (torch.distributed: NCCL on GPUs, gloo on "
+           "CPU), fake (no bytes; benchmarks); auto: tcp on CPU, torch on GPU")
+    a("--disaggregation-bootstrap-timeout", type=float,
+      default=d.disaggregation_bootstrap_timeout,
+      help="seconds a request may wait for its PD peer to meet it (prefill: decode's page "
+           "indices; decode: prefill topology and free pages)")
+    a("--disaggregation-waiting-timeout", type=float, default=d.disaggregation_waiting_timeout,
+      help="decode: seconds from sending the page indices to the first KV byte")
+    a("--disaggregation-transfer-timeout", type=float, default=d.disaggregation_transfer_timeout,
+      help="seconds a KV transfer may take once started")
+    a("--disaggregation-heartbeat-interval", type=float,
+      default=d.disaggregation_heartbeat_interval,
+      help="decode: seconds between checks of each prefill's bootstrap server; two misses "
+           "mark it dead and fail its requests")
     a("--dp-size", type=int, default=d.dp_size,
       help="data-parallel scheduler processes; > 1 adds a DataParallelController")
     a("--max-ep-size", type=int, default=d.max_ep_size,

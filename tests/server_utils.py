@@ -62,10 +62,11 @@ def http_json(url: str, body: object | None = None, timeout: float = 60.0) -> tu
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str | Path | None, *extra_args: str, env: dict | None = None):
+    def __init__(self, model_dir: str | Path | None, *extra_args: str, env: dict | None = None,
+                 command: str = "serve"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "common.cli", "serve", "--port", str(self.port)]
+        self.args = [sys.executable, "-m", "common.cli", command, "--port", str(self.port)]
         if model_dir is not None:
             self.args += ["--model-path", str(model_dir)]
         self.args += list(extra_args)

@@ -6,7 +6,9 @@
     abort(rid)  frees the request's pages at once and reports it finished.
 
 No sockets here: tests drive it directly, and `common/server/scheduler_process.py` puts a ZMQ
-loop around it. Stop strings are checked here (so generation stops and KV is freed at once);
+loop around it. PD roles plug in through two seams: `on_prefilled` (prefill: a request whose
+first token was just sampled leaves the batch with its pages held, for the KV transfer) and
+`adopt` (decode: a request whose KV arrived joins the running batch). Stop strings are checked here (so generation stops and KV is freed at once);
 the detokenizer trims them from the text.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +29,7 @@ from common.engine.scheduler import ScheduledBatch, Scheduler
 from common.engine.tokenizer import Tokenizer
 from common.loads.snapshot import LoadSnapshot
 from common.messages.detokenizer_input import EngineStats, TokenDelta
-from common.messages.sampling import FinishReason
+from common.messages.sampling import FinishReason, TopLogprobs
 from common.messages.scheduler_input import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,10 @@ class EngineCore:
         self.reqs: dict[str, Req] = {}
         self.num_steps = 0
         self.last_step_was_extend = False
+        # PD prefill: called with (req, first token, its logprob, its top logprobs) instead of
+        # continuing generation; the request is out of the batch and still holds its pages.
+        self.on_prefilled: Callable[[Req, int, float | None, TopLogprobs | None], None] | None
+        self.on_prefilled = None
 
     # ---- requests ---------------------------------------------------------------------
     def add(self, msg: GenerateRequest) -> list[TokenDelta]:
@@ -70,7 +77,7 @@ class EngineCore:
             dup.finish_reason = FinishReason(
                 type="abort", message=f"rid {msg.rid!r} is already in flight", status=409
             )
-            return [self._delta(dup)]
+            return [self.delta(dup)]
         req = Req(
             rid=msg.rid,
             prompt_ids=list(msg.input_ids),
@@ -83,6 +90,25 @@ class EngineCore:
         self.reqs[req.rid] = req
         self.scheduler.add(req)
         return []
+
+    def adopt(self, req: Req) -> list[TokenDelta]:
+        """PD decode: `req` holds pages with its prompt's KV and one output token (sampled on
+        prefill); it joins the running batch, or finishes at once if that token ends it."""
+        self.reqs[req.rid] = req
+        req.num_computed = len(req.prompt_ids)
+        req.input_logprobs_done = True
+        self.sampler.skip_draws(req, len(req.output_ids))
+        self.scheduler.adopt(req)
+        if req.sampling.max_new_tokens == 0:
+            req.output_ids.clear()
+            req.output_logprobs.clear()
+            req.output_top_logprobs.clear()
+            req.finish_reason = FinishReason(type="length", length=0)
+        else:
+            req.finish_reason = self._check_stop(req)
+        if req.finished:
+            return [self._finish(req)]
+        return [self.delta(req)] if req.stream else []
 
     def abort(self, rid: str, message: str = "aborted") -> list[TokenDelta]:
         req = self.reqs.get(rid)
@@ -167,6 +193,9 @@ class EngineCore:
             result = self.sampler.sample(logits[sample_rows], sample_reqs)
             for i, req in enumerate(sample_reqs):
                 req.input_logprobs_done = True
+                if self.on_prefilled is not None:
+                    self._hand_off(req, result, i)
+                    continue
                 if req.sampling.max_new_tokens == 0:  # prompt logprobs only
                     req.finish_reason = FinishReason(type="length", length=0)
                     deltas.append(self._finish(req))
@@ -179,8 +208,16 @@ class EngineCore:
                 if req.finished:
                     deltas.append(self._finish(req))
                 elif req.stream:
-                    deltas.append(self._delta(req))
+                    deltas.append(self.delta(req))
         return deltas
+
+    def _hand_off(self, req: Req, result, i: int) -> None:
+        logprob = top = None
+        if result.logprobs is not None and req.return_logprob:
+            logprob, top = result.logprobs[i], result.top_logprobs[i]
+        self.scheduler.detach(req)
+        self.reqs.pop(req.rid, None)
+        self.on_prefilled(req, result.token_ids[i], logprob, top)
 
     def _record_input_logprobs(self, seg: Segment, logits: torch.Tensor) -> None:
         """Row r predicts fill token start + r + 1; keep those still inside the prompt."""
@@ -225,9 +262,9 @@ class EngineCore:
         if req.status is not ReqStatus.FINISHED:
             self.scheduler.remove(req)
         self.reqs.pop(req.rid, None)
-        return self._delta(req)
+        return self.delta(req)
 
-    def _delta(self, req: Req) -> TokenDelta:
+    def delta(self, req: Req) -> TokenDelta:
         sent = req.num_sent
         req.num_sent = len(req.output_ids)
         first = sent == 0

@@ -51,6 +51,15 @@ class Sampler:
             req.generator = torch.Generator(device=self.device).manual_seed(seed % 2**63)
         return req.generator
 
+    def skip_draws(self, req: Req, count: int) -> None:
+        """Advance a sampled request's generator past `count` tokens drawn elsewhere (PD: the
+        first token was sampled on prefill), so a seed gives the same text as colocated."""
+        if req.sampling.is_greedy:
+            return
+        scratch = torch.empty(self.vocab_size, device=self.device)
+        for _ in range(count):
+            scratch.exponential_(generator=self.generator_for(req))
+
     def sample(self, logits: torch.Tensor, reqs: Sequence[Req]) -> SampleResult:
         want_logprobs = any(r.return_logprob for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

@@ -62,6 +62,21 @@ class Scheduler:
         self._free(req)
         req.status = ReqStatus.FINISHED
 
+    def detach(self, req: Req) -> None:
+        """PD prefill: take a prefilled request out of the batch but keep its pages, which the
+        KV transfer still reads; whoever detaches frees them (`allocator.free(req.pages)`)."""
+        if req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+
+    def adopt(self, req: Req) -> None:
+        """PD decode: a request whose prompt KV arrived in pages it already holds joins the
+        running batch directly (its first output token came from prefill)."""
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
     def is_idle(self) -> bool:
         return not self.waiting and not self.running
 

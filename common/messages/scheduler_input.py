@@ -24,6 +24,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, frozen=True)
     # Dispatch hints (SPEC section 2): an explicit rank, or the PD rendezvous room.
     routed_dp_rank: int | None = None
     bootstrap_room: int | None = None
+    # PD decode: the prefill bootstrap server that serves `bootstrap_room`.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
 
 
 class GenerateBatch(msgspec.Struct, tag="generate_batch", kw_only=True, frozen=True):

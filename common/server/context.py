@@ -44,6 +44,8 @@ class ServerContext:
     unhealthy_reason: str | None = None
     started: float = 0.0
     process_pids: Callable[[], dict[str, int]] = dict
+    # PD: bootstrap rooms of requests in flight here; a room reused while in flight is a 409.
+    rooms: set[int] = field(default_factory=set)
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
@@ -61,6 +63,23 @@ class ServerContext:
         for rid in rids:
             if self.frontend.is_inflight(rid):
                 raise ApiError(f"rid {rid!r} is already in flight", "rid", 409)
+        if self.args.disaggregation_mode != "null":
+            for r in reqs:
+                if r.bootstrap_room in self.rooms:
+                    raise ApiError(f"bootstrap_room {r.bootstrap_room} is already in flight",
+                                   "bootstrap_room", 409)
+
+    def claim_rooms(self, reqs: list[GenerateRequest]) -> list[int]:
+        """Rooms taken by these requests until `release_rooms` (PD services only)."""
+        if self.args.disaggregation_mode == "null":
+            return []
+        self.check_rids_free(reqs)
+        rooms = [r.bootstrap_room for r in reqs]
+        self.rooms.update(rooms)
+        return rooms
+
+    def release_rooms(self, rooms: list[int]) -> None:
+        self.rooms.difference_update(rooms)
 
 
 CTX = web.AppKey("ctx", ServerContext)
@@ -84,11 +103,13 @@ async def collect(ctx: ServerContext, reqs: list[GenerateRequest]) -> list[Reque
                 last = out
         return last
 
+    rooms = ctx.claim_rooms(reqs)
     iterators = ctx.frontend.generate_many(reqs)
     try:
         return list(await asyncio.gather(*(drain(it) for it in iterators)))
     finally:
         ctx.frontend.release([r.rid for r in reqs])
+        ctx.release_rooms(rooms)
 
 
 async def stream(
@@ -98,6 +119,7 @@ async def stream(
 
     Use it under `contextlib.aclosing`: closing it early (client gone, error chunk) aborts the
     requests still running at once instead of whenever the generator is garbage-collected."""
+    rooms = ctx.claim_rooms(reqs)
     iterators = ctx.frontend.generate_many(reqs)
     if len(reqs) == 1:
         try:
@@ -106,6 +128,7 @@ async def stream(
                     yield 0, out
         finally:
             ctx.frontend.release([reqs[0].rid])
+            ctx.release_rooms(rooms)
         return
     queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
 
@@ -135,3 +158,4 @@ async def stream(
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         ctx.frontend.release([r.rid for r in reqs])
+        ctx.release_rooms(rooms)

@@ -14,10 +14,11 @@ from common.server.errors import ApiError, decode_json
 from common.server.frontend import RequestOutput
 from common.server.protocol import (
     GenerateBody,
-    dispatch_hints,
+    routed_rank,
     sampling_body,
     sampling_from_body,
     token_id_lists,
+    with_bootstrap,
 )
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -47,7 +48,7 @@ def build_requests(ctx: ServerContext, body: GenerateBody) -> tuple[list[Generat
     rids = body.rid if isinstance(body.rid, list) else None
     if rids is not None and len(rids) != len(prompts):
         raise ApiError(f"rid has {len(rids)} entries for {len(prompts)} prompts", "rid")
-    hints = dispatch_hints(body, len(prompts), ctx.args.num_dp_slots)
+    rank = routed_rank(body, ctx.args.num_dp_slots)
     reqs: list[GenerateRequest] = []
     for i, ids in enumerate(prompts):
         item = f"{field}[{i}]" if is_batch else field
@@ -79,12 +80,11 @@ def build_requests(ctx: ServerContext, body: GenerateBody) -> tuple[list[Generat
                     return_logprob=body.return_logprob,
                     logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
                     top_logprobs_num=body.top_logprobs_num,
-                    routed_dp_rank=hints[i][0],
-                    bootstrap_room=hints[i][1],
+                    routed_dp_rank=rank,
                 )
             )
         is_batch = is_batch or params.n > 1
-    return reqs, is_batch
+    return with_bootstrap(body, reqs, ctx.args.disaggregation_mode), is_batch
 
 
 def _logprob_entries(ctx: ServerContext, logprobs, ids, with_text: bool) -> list:

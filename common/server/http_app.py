@@ -72,9 +72,16 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def handle_health_generate(request: web.Request) -> web.Response:
-    """Runs a one-token generation through the whole tree."""
+    """Runs a one-token generation through the whole tree. A PD side cannot generate alone
+    (a request needs its peer), so there every scheduler must answer a stats round trip."""
     ctx: ServerContext = request.app[CTX]
     ctx.check_accepting()
+    if ctx.args.disaggregation_mode != "null":
+        try:
+            await asyncio.wait_for(ctx.frontend.stats(), HEALTH_GENERATE_TIMEOUT)
+        except (RuntimeError, asyncio.TimeoutError) as exc:
+            return error_response(f"schedulers did not answer: {exc}", None, 503)
+        return web.json_response({"status": "ok"})
     req = GenerateRequest(
         rid=f"health-{ctx.new_rid()}",
         input_ids=[ctx.tokenizer.bos_token_id or 0],

@@ -81,6 +81,15 @@ class ServiceTree:
         self.children: dict[str, BaseProcess] = {}
         self.scheduler_info: launch.SchedulerReady | None = None
         self.dead: set[str] = set()
+        self.bootstrap = None  # prefill, node 0: where ranks register and decode asks
+
+    def start_bootstrap_server(self) -> None:
+        from prefill.bootstrap_server import BootstrapRegistry, BootstrapServer
+
+        registry = BootstrapRegistry(self.args.num_dp_slots, set(range(self.args.dp_size)))
+        self.bootstrap = BootstrapServer(registry, self.args.host,
+                                         self.args.disaggregation_bootstrap_port)
+        self.bootstrap.start()
 
     def start_children(self) -> None:
         logger.info(
@@ -88,6 +97,8 @@ class ServiceTree:
             self.args.dp_size, self.args.num_dp_slots, self.method,
             "" if self.uses_controller else " (no controller: a single rank)",
         )
+        if self.is_head and self.args.disaggregation_mode == "prefill":
+            self.start_bootstrap_server()
         ranks = [r for r in self.topology.local_ranks if r < self.args.dp_size]
         pending = [self._spawn_scheduler(rank) for rank in ranks]
         if self.is_head:
@@ -177,6 +188,8 @@ class ServiceTree:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        if self.bootstrap is not None:
+            self.bootstrap.stop()
         if self.board is not None:
             self.board.unlink()
         self.ipc.remove()
@@ -243,7 +256,10 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
                     stop.set()
                     return
                 logger.error("%s; its DP rank is now unavailable", reason)
-                dp.mark_dead(int(name.removeprefix("scheduler-")), reason)
+                rank = int(name.removeprefix("scheduler-"))
+                dp.mark_dead(rank, reason)
+                if tree.bootstrap is not None:
+                    tree.bootstrap.registry.forget(rank)
 
     watch = asyncio.create_task(watchdog())
     await stop.wait()

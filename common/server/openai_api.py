@@ -26,7 +26,8 @@ from common.server.protocol import (
     ChatBody,
     CompletionBody,
     SamplingParamsBody,
-    dispatch_hints,
+    routed_rank,
+    with_bootstrap,
     openai_sampling,
     sampling_from_body,
     token_id_lists,
@@ -47,7 +48,7 @@ def _expand(
     prompt_logprobs: bool,
 ) -> tuple[str, list[GenerateRequest]]:
     base = body.rid or ctx.new_rid()
-    hints = dispatch_hints(body, len(prompts), ctx.args.num_dp_slots)
+    rank = routed_rank(body, ctx.args.num_dp_slots)
     reqs = []
     for p, ids in enumerate(prompts):
         max_new = ctx.limits.resolve_max_new(len(ids), asked_max, default_max, max_param)
@@ -65,11 +66,10 @@ def _expand(
                     return_logprob=logprobs is not None,
                     logprob_start_len=0 if prompt_logprobs else -1,
                     top_logprobs_num=logprobs or 0,
-                    routed_dp_rank=hints[p][0],
-                    bootstrap_room=hints[p][1],
+                    routed_dp_rank=rank,
                 )
             )
-    return base, reqs
+    return base, with_bootstrap(body, reqs, ctx.args.disaggregation_mode)
 
 
 def _finish_reason(out: RequestOutput) -> str | None:

@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from common.messages.sampling import SamplingParams
+from common.messages.scheduler_input import GenerateRequest
 from common.server.errors import ApiError, convert
 
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -55,11 +56,18 @@ class SamplingParamsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 Room = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
 
+Port = Annotated[int, Meta(ge=1, le=65535)]
+
+
 class DispatchFields(msgspec.Struct, kw_only=True):
-    """Where the DP controller should send the request (SPEC section 2)."""
+    """Where the DP controller should send the request (SPEC section 2), and the PD
+    rendezvous the router injects (SPEC section 4): one value, or a list with one per prompt
+    (per sample when n > 1)."""
 
     routed_dp_rank: Annotated[int, Meta(ge=-(2**31), le=2**31)] | None = None
     bootstrap_room: Room | list[Room] | None = None
+    bootstrap_host: Annotated[str, Meta(min_length=1)] | list[str] | None = None
+    bootstrap_port: Port | list[Port] | None = None
 
 
 class GenerateBody(DispatchFields, kw_only=True):
@@ -168,24 +176,49 @@ class Limits:
         return asked
 
 
-def dispatch_hints(
-    body: DispatchFields, num_prompts: int, num_dp_slots: int
-) -> list[tuple[int | None, int | None]]:
-    """(routed_dp_rank, bootstrap_room) per prompt; a list of rooms gives one per prompt."""
+def routed_rank(body: DispatchFields, num_dp_slots: int) -> int | None:
     rank = body.routed_dp_rank
     if rank is not None and not 0 <= rank < num_dp_slots:
         raise ApiError(
             f"routed_dp_rank {rank} is out of range [0, {num_dp_slots})", "routed_dp_rank"
         )
-    rooms = body.bootstrap_room
-    if isinstance(rooms, list):
-        if len(rooms) != num_prompts:
-            raise ApiError(
-                f"bootstrap_room has {len(rooms)} entries for {num_prompts} prompts",
-                "bootstrap_room",
-            )
-        return [(rank, room) for room in rooms]
-    return [(rank, rooms)] * num_prompts
+    return rank
+
+
+def _per_sample(value, num: int, name: str, what: str) -> list:
+    if not isinstance(value, list):
+        return [value] * num
+    if len(value) != num:
+        raise ApiError(f"{name} has {len(value)} entries for {num} {what}", name)
+    return value
+
+
+
+def with_bootstrap(body: DispatchFields, reqs: list[GenerateRequest],
+                   disaggregation_mode: str) -> list[GenerateRequest]:
+    """Spread the PD rendezvous fields over the engine requests (prompt-major, then `n`
+    samples): a list gives one value per request, a single value applies to all. Prefill needs
+    a room and decode all three fields; each PD request needs a room of its own."""
+    num = len(reqs)
+    what = "requests (one per prompt, times n samples)"
+    rooms = _per_sample(body.bootstrap_room, num, "bootstrap_room", what)
+    hosts = _per_sample(body.bootstrap_host, num, "bootstrap_host", what)
+    ports = _per_sample(body.bootstrap_port, num, "bootstrap_port", what)
+    if disaggregation_mode != "null":
+        needed = ["bootstrap_room"] if disaggregation_mode == "prefill" else [
+            "bootstrap_host", "bootstrap_port", "bootstrap_room"]
+        for name in needed:
+            if getattr(body, name) is None:
+                raise ApiError(f"a {disaggregation_mode} service needs {name}: send requests "
+                               "through the PD router, which injects the bootstrap fields", name)
+        if len(set(rooms)) != num:
+            raise ApiError(f"every request needs its own bootstrap_room: give a list of {num} "
+                           f"distinct rooms, one per prompt and sample", "bootstrap_room")
+    if all(v is None for v in (body.bootstrap_room, body.bootstrap_host, body.bootstrap_port)):
+        return reqs
+    return [msgspec.structs.replace(r, bootstrap_room=room, bootstrap_host=host,
+                                    bootstrap_port=port)
+            for r, room, host, port in zip(reqs, rooms, hosts, ports)]
 
 
 def token_id_lists(value: Any, param: str) -> list[list[int]] | None:

@@ -8,6 +8,11 @@
                                    --load-publish-steps steps, on becoming idle, and once a
                                    second while idle (a heartbeat: the timestamp stays fresh)
 
+PD roles (`prefill/worker.py`, `decode/worker.py`) add their control socket to the poller and
+their queues in front of the engine: requests go through the queues, each loop turn ticks
+them (timeouts, transfer states), and while they wait on a peer the poller wakes every
+PD_POLL_MS instead of sleeping a second.
+
 When idle it blocks on the poller (no busy loop). An exception inside the engine ends the
 process: the launcher notices the death and reacts (the service stops, or with dp_size > 1 the
 rank is marked unavailable and its requests fail).
@@ -16,6 +21,7 @@ rank is marked unavailable and its requests fail).
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -38,6 +44,7 @@ from common.server.process_utils import configure_logging, die_with_parent, repo
 logger = logging.getLogger(__name__)
 
 IDLE_HEARTBEAT_MS = 1000
+PD_POLL_MS = 1
 
 
 class SchedulerLoop:
@@ -49,15 +56,23 @@ class SchedulerLoop:
         send: zmq.Socket,
         publish: Callable[[LoadSnapshot], None] | None,
         publish_steps: int,
+        role=None,
     ):
         self.engine = engine
+        self.role = role
+        # Where requests go: the PD queues in front of the engine, or the engine itself.
+        self.front = role.queues if role is not None else engine
         self._publish = publish
         self.publish_steps = publish_steps
         self.ctx, self.recv, self.send = ctx, recv, send
         self.poller = zmq.Poller()
         self.poller.register(self.recv, zmq.POLLIN)
+        if role is not None:
+            self.poller.register(role.socket, zmq.POLLIN)
         self._steps_since_publish = 0
         self._published_idle = False
+        self._last_counts: tuple = ()
+        self._last_publish = 0.0
 
     def run_forever(self) -> None:
         self.publish()
@@ -66,11 +81,23 @@ class SchedulerLoop:
             if not busy and not self._published_idle:
                 self.publish()
                 self._published_idle = True
-            if self.poller.poll(0 if busy else IDLE_HEARTBEAT_MS):
+            waiting = self.role is not None and self.front.waiting_on_io()
+            timeout = 0 if busy else PD_POLL_MS if waiting else IDLE_HEARTBEAT_MS
+            events = dict(self.poller.poll(timeout))
+            if self.recv in events:
                 for raw in drain_nowait(self.recv):
                     self.handle(scheduler_input.decoder.decode(raw))
-            elif not busy:
-                self.publish()  # heartbeat
+            if self.role is not None:
+                if self.role.socket in events:
+                    self._emit(self.role.on_control())
+                self._emit(self.front.tick())
+                if waiting and self._pd_changed():
+                    self.publish()
+            if not self.engine.has_work():
+                if events:
+                    self._published_idle = False  # queues changed: publish the idle state
+                elif not waiting or time.monotonic() - self._last_publish > 1.0:
+                    self.publish()  # heartbeat: the timestamp stays fresh while idle
                 continue
             self._published_idle = False
             self._emit(self.engine.step())
@@ -80,14 +107,22 @@ class SchedulerLoop:
 
     def publish(self) -> None:
         self._steps_since_publish = 0
+        self._last_publish = time.monotonic()
         if self._publish is not None:
-            self._publish(self.engine.load_snapshot())
+            self._publish(self.front.load_snapshot())
+
+    def _pd_changed(self) -> bool:
+        """While only PD queues move (no forward pass), publish when their counts change."""
+        counts = self.front.queue_counts()
+        changed = counts != self._last_counts
+        self._last_counts = counts
+        return changed
 
     def handle(self, msg) -> None:
         if isinstance(msg, scheduler_input.GenerateRequest):
-            self._emit(self.engine.add(msg))
+            self._emit(self.front.add(msg))
         elif isinstance(msg, scheduler_input.AbortRequest):
-            self._emit(self.engine.abort(msg.rid, msg.message))
+            self._emit(self.front.abort(msg.rid, msg.message))
         elif isinstance(msg, scheduler_input.FlushCacheRequest):
             ok, text = self.engine.flush_cache()
             result = detokenizer_input.FlushCacheResult(
@@ -122,6 +157,18 @@ def _endpoints(args: ServerArgs, ipc: IpcPaths | None, dp_rank: int, board_path:
     return ctx, recv, send, publish
 
 
+def _pd_role(args: ServerArgs, engine: EngineCore, ctx: zmq.Context):
+    if args.disaggregation_mode == "prefill":
+        from prefill.worker import PrefillRole
+
+        return PrefillRole(args, engine, ctx)
+    if args.disaggregation_mode == "decode":
+        from decode.worker import DecodeRole
+
+        return DecodeRole(args, engine, ctx)
+    return None
+
+
 def run_scheduler_process(
     args: ServerArgs,
     model_path: str,
@@ -138,8 +185,9 @@ def run_scheduler_process(
             torch.set_num_threads(args.torch_num_threads)
         loaded = load_engine_parts(args, model_path)
         engine = EngineCore(args, loaded, Tokenizer.from_model_path(model_path), dp_rank)
-        loop = SchedulerLoop(engine, *_endpoints(args, ipc, dp_rank, board_path, board_id),
-                             args.load_publish_steps)
+        ctx, recv, send, publish = _endpoints(args, ipc, dp_rank, board_path, board_id)
+        loop = SchedulerLoop(engine, ctx, recv, send, publish, args.load_publish_steps,
+                             _pd_role(args, engine, ctx))
     except Exception as exc:  # start-up errors go back to the launcher, which prints them
         logger.debug("start-up failed:\n%s", traceback.format_exc())
         report(ready, launch.StartupFailed(name=f"scheduler-{dp_rank}",

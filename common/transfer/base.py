@@ -10,6 +10,11 @@ of the receiver's pool, for every layer, K and V. Pages are the pool's unit
 (`common/engine/kv_pool.py`): consecutive page ids are one contiguous block per layer, so a
 transfer is described as *runs* contiguous on both sides (`contiguous_runs`), never as single
 pages: per-page entries cost up to 3x (see shared/TRANSFER.md).
+
+Every backend offers the same two objects (`KVReceiver` on decode, `KVSender` on prefill);
+`common/transfer/registry.py` picks them by `--disaggregation-transfer-backend`. A receiver
+never lets bytes reach pages of a room it has cancelled: once `cancel(room)` returned and
+`pages_quiescent(room)` is true, decode may give the pages to another request.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
+
+from common.messages.sampling import TopLogprobs
 
 
 class KVPoll(enum.IntEnum):
@@ -80,6 +88,7 @@ class TransferTrailer(msgspec.Struct, kw_only=True, frozen=True):
 
     first_token: int
     logprob: float | None = None
+    top_logprobs: TopLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +106,34 @@ class KVLayout:
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
                 raise ValueError(f"KV layout mismatch: {field} is {mine} here, {theirs} on the peer")
+
+
+class KVReceiver(Protocol):
+    """Decode side: one per KV pool."""
+
+    def endpoint_for(self, peer: str) -> str:
+        """The address a given prefill rank (named by its control endpoint) sends KV to."""
+
+    def expect(self, room: int, dst_pages: Sequence[int]) -> TransferState: ...
+
+    def poll(self, room: int) -> KVPoll: ...
+
+    def trailer(self, room: int) -> TransferTrailer | None: ...
+
+    def cancel(self, room: int, reason: str) -> None: ...
+
+    def pages_quiescent(self, room: int) -> bool: ...
+
+    def forget(self, room: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class KVSender(Protocol):
+    """Prefill side: one per KV pool. `send` returns at once; the source pages must stay
+    untouched until the returned state is Success or Failed."""
+
+    def send(self, endpoint: str, room: int, src_pages: Sequence[int],
+             dst_pages: Sequence[int], trailer: TransferTrailer) -> TransferState: ...
+
+    def close(self) -> None: ...

@@ -155,6 +155,7 @@ class _Expected:
     state: TransferState
     trailer: TransferTrailer | None = None
     busy: bool = False  # a connection may still be writing into the pages
+    conn: socket.socket | None = None  # that connection, shut down by cancel()
 
 
 class TcpKVReceiver:
@@ -172,6 +173,9 @@ class TcpKVReceiver:
         self._thread.start()
 
     # ---- decode-side API ---------------------------------------------------------------
+    def endpoint_for(self, peer: str) -> str:
+        return self.endpoint  # one listener serves every prefill rank
+
     def expect(self, room: int, dst_pages: Sequence[int]) -> TransferState:
         with self._lock:
             if room in self._expected:
@@ -190,9 +194,18 @@ class TcpKVReceiver:
         return None if record is None else record.trailer
 
     def cancel(self, room: int, reason: str) -> None:
-        record = self._expected.get(room)
-        if record is not None:
+        """Fail the room; a connection still writing into its pages is cut, so the pages are
+        quiescent as soon as its thread notices (a refused late sender never writes)."""
+        with self._lock:
+            record = self._expected.get(room)
+            if record is None:
+                return
             record.state.fail(reason)
+            if record.busy and record.conn is not None:
+                try:
+                    record.conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def pages_quiescent(self, room: int) -> bool:
         """False while a connection may still write into this room's pages."""
@@ -222,23 +235,29 @@ class TcpKVReceiver:
             try:
                 _tune(conn)
                 header = _recv_msg(conn, TransferHeader)
-                record = self._admit(header)
+                record = self._admit(header, conn)
                 if record is None:
                     conn.sendall(b"\0")
                     return
                 conn.sendall(b"\1")
                 _recv_views(conn, _run_views(self.pool, header.runs, dst=True))
-                record.trailer = _recv_msg(conn, TransferTrailer)
-                record.state.advance(KVPoll.Success)
-                conn.sendall(b"\1")
+                trailer = _recv_msg(conn, TransferTrailer)
+                with self._lock:
+                    if record.state.state is KVPoll.Transferring:
+                        record.trailer = trailer
+                        record.state.advance(KVPoll.Success)
+                ok = record.state.state is KVPoll.Success
+                conn.sendall(b"\1" if ok else b"\0")
             except (OSError, ConnectionError, ValueError, msgspec.DecodeError) as exc:
                 if record is not None:
                     record.state.fail(f"transfer failed: {exc}")
             finally:
                 if record is not None:
-                    record.busy = False
+                    with self._lock:
+                        record.busy = False
+                        record.conn = None
 
-    def _admit(self, header: TransferHeader) -> _Expected | None:
+    def _admit(self, header: TransferHeader, conn: socket.socket) -> _Expected | None:
         layout = KVLayout(header.num_layers, header.page_size, header.num_kv_heads,
                           header.head_dim, header.dtype)
         with self._lock:
@@ -254,6 +273,7 @@ class TcpKVReceiver:
                 record.state.fail(str(exc))
                 return None
             record.busy = True
+            record.conn = conn
             record.state.advance(KVPoll.Transferring)
             return record
 
@@ -263,6 +283,12 @@ class TcpKVSender:
         self.pool = pool
         self.layout = pool_layout(pool)
         self.timeout = timeout
+
+    def close(self) -> None:
+        pass  # one connection per transfer, closed by its own thread
+
+    def _runs_to_send(self, runs: list[PageRun]) -> list[PageRun]:
+        return runs
 
     def send(
         self,
@@ -286,6 +312,7 @@ class TcpKVSender:
     def _run(self, endpoint: str, room: int, runs: list[PageRun], trailer: TransferTrailer,
              state: TransferState) -> None:
         host, _, port = endpoint.rpartition(":")
+        runs = self._runs_to_send(runs)
         layout = self.layout
         header = TransferHeader(room=room, runs=runs, num_layers=layout.num_layers,
                                 page_size=layout.page_size, num_kv_heads=layout.num_kv_heads,
@@ -303,3 +330,11 @@ class TcpKVSender:
             state.advance(KVPoll.Success)
         except (OSError, ConnectionError, ValueError) as exc:
             state.fail(f"sending KV for room {room} to {endpoint} failed: {exc}")
+
+
+class FakeKVSender(TcpKVSender):
+    """`fake` backend: the tcp handshake and trailer without a single KV byte, so decode runs
+    on whatever its pages hold. For warm-up and for benchmarks of everything but the copy."""
+
+    def _runs_to_send(self, runs: list[PageRun]) -> list[PageRun]:
+        return []

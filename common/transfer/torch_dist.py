@@ -1,104 +1,274 @@
 """`torch` backend: KV pages over a two-rank `torch.distributed` group per prefill/decode pair.
 
 NCCL moves the pages device to device between GPUs; gloo does the same job between CPU pools,
-so CPU tests run the very code path the GPUs use. The group is built without a default process
-group: the decode side hosts a `TCPStore` (it is the side that knows its own address), the
-prefill side connects to it, and both create `ProcessGroupGloo`/`ProcessGroupNCCL` on it.
+so CPU tests run the very code path the GPUs use. Groups are built without a default process
+group, on demand: the decode side hosts a `TCPStore` per prefill peer (`endpoint_for(peer)`
+returns its address, which decode sends to prefill with each request's page indices), the
+prefill side connects to it on its first transfer to that address, and both build
+`ProcessGroupGloo`/`ProcessGroupNCCL` on it.
 
-Both sides already know the page runs (decode chose the destination pages and sent them at
-bootstrap), so only bytes move: the sender gathers its runs into one contiguous buffer per
-transfer (one `index_select` per layer and kind), sends it, then a small trailer tensor (first
-token, logprob); the receiver receives into a buffer and copies each run into place. Each
-transfer uses its own tag, so several can be in flight on one pair.
+Per pair, transfers are sequential and self-describing, so decode never posts a receive it
+might have to abandon:
+
+    header   int64 [room, num_tokens, trailer_bytes]
+    payload  [layers, 2 (K, V), num_tokens, kv_heads, head_dim], gathered from the source pages
+    trailer  uint8, a msgpack `TransferTrailer` (first token, logprob, top logprobs)
+
+Decode's pair thread receives the header, then the payload into a staging buffer; only if the
+room is still expected (not cancelled) does it copy the buffer into the room's pages, under
+the lock that `cancel` takes, so a late or unwanted transfer is drained and dropped without
+touching any page. A pair whose group fails (peer died) is dropped and rebuilt on demand.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import queue
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from common.engine.kv_pool import PagedKVPool
-from common.transfer.base import KVPoll, PageRun, TransferState, TransferTrailer
+from common.transfer.base import (
+    KVPoll,
+    PageRun,
+    TransferState,
+    TransferTrailer,
+    contiguous_runs,
+)
+
+logger = logging.getLogger(__name__)
 
 SENDER, RECEIVER = 0, 1
+TAG = 0
 
 
 def _token_index(pool: PagedKVPool, runs: Sequence[PageRun], dst: bool) -> torch.Tensor:
     ps = pool.page_size
     starts = [(r.dst if dst else r.src) * ps for r in runs]
     parts = [torch.arange(start, start + r.length * ps) for start, r in zip(starts, runs)]
-    return torch.cat(parts).to(pool.k.device) if parts else torch.empty(0, dtype=torch.long)
+    if not parts:
+        return torch.empty(0, dtype=torch.long, device=pool.k.device)
+    return torch.cat(parts).to(pool.k.device)
+
+
+def _group(store: dist.Store, rank: int, device: torch.device,
+           timeout: float) -> dist.ProcessGroup:
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=timeout)
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout))
 
 
 class TorchPairChannel:
-    """One side of a prefill (rank 0) / decode (rank 1) pair."""
+    """One side of a prefill (rank 0) / decode (rank 1) pair; blocks until both have joined."""
 
     def __init__(self, host: str, port: int, rank: int, device: torch.device,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, store: dist.Store | None = None):
         self.rank = rank
         self.peer = 1 - rank
         self.device = device
-        self.store = dist.TCPStore(host, port, 2, is_master=(rank == RECEIVER),
-                                   timeout=datetime.timedelta(seconds=timeout))
-        if device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(self.store, rank, 2)
-        else:
-            self.group = dist.ProcessGroupGloo(self.store, rank, 2)
+        self.store = store or dist.TCPStore(host, port, 2, is_master=(rank == RECEIVER),
+                                            timeout=datetime.timedelta(seconds=timeout))
+        self.group = _group(self.store, rank, device, timeout)
 
-    def send(self, pool: PagedKVPool, runs: Sequence[PageRun], trailer: TransferTrailer,
-             tag: int) -> TransferState:
+    def send_transfer(self, pool: PagedKVPool, room: int, runs: Sequence[PageRun],
+                      trailer: TransferTrailer) -> None:
+        index = _token_index(pool, runs, dst=False)
+        payload = torch.stack([
+            torch.stack([pool.k[layer].index_select(0, index),
+                         pool.v[layer].index_select(0, index)])
+            for layer in range(pool.k.shape[0])
+        ])
+        meta = torch.frombuffer(bytearray(msgspec.msgpack.encode(trailer)), dtype=torch.uint8)
+        header = torch.tensor([room, len(index), len(meta)], dtype=torch.int64)
+        for tensor in (header, payload, meta):
+            self.group.send([tensor.to(self.device)], self.peer, TAG).wait()
+
+    def recv_transfer(self, pool: PagedKVPool) -> tuple[int, torch.Tensor, TransferTrailer]:
+        header = torch.empty(3, dtype=torch.int64, device=self.device)
+        self.group.recv([header], self.peer, TAG).wait()
+        room, num_tokens, trailer_len = header.tolist()
+        payload = torch.empty((pool.k.shape[0], 2, num_tokens, *pool.k.shape[2:]),
+                              dtype=pool.k.dtype, device=self.device)
+        self.group.recv([payload], self.peer, TAG).wait()
+        meta = torch.empty(trailer_len, dtype=torch.uint8, device=self.device)
+        self.group.recv([meta], self.peer, TAG).wait()
+        trailer = msgspec.msgpack.decode(meta.cpu().numpy().tobytes(), type=TransferTrailer)
+        return room, payload, trailer
+
+
+@dataclass
+class _Expected:
+    dst_pages: list[int]
+    state: TransferState
+    trailer: TransferTrailer | None = None
+    busy: bool = False  # the pair thread is copying into the pages
+
+
+class TorchKVReceiver:
+    def __init__(self, pool: PagedKVPool, host: str = "127.0.0.1", timeout: float = 300.0):
+        self.pool = pool
+        self.host = host
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._expected: dict[int, _Expected] = {}
+        self._pairs: dict[str, str] = {}  # prefill peer -> the store address it connects to
+        self._closed = False
+
+    def endpoint_for(self, peer: str) -> str:
+        with self._lock:
+            endpoint = self._pairs.get(peer)
+            if endpoint is None:
+                store = dist.TCPStore(self.host, 0, 2, is_master=True, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=self.timeout))
+                endpoint = f"{self.host}:{store.port}"
+                self._pairs[peer] = endpoint
+                threading.Thread(target=self._serve_pair, args=(peer, store), daemon=True,
+                                 name=f"kv-pair-{peer}").start()
+            return endpoint
+
+    def expect(self, room: int, dst_pages: Sequence[int]) -> TransferState:
+        with self._lock:
+            if room in self._expected:
+                raise ValueError(f"bootstrap_room {room} is already expected")
+            record = _Expected(list(dst_pages), TransferState())
+            record.state.advance(KVPoll.WaitingForInput)
+            self._expected[room] = record
+            return record.state
+
+    def poll(self, room: int) -> KVPoll:
+        record = self._expected.get(room)
+        return KVPoll.Failed if record is None else record.state.state
+
+    def trailer(self, room: int) -> TransferTrailer | None:
+        record = self._expected.get(room)
+        return None if record is None else record.trailer
+
+    def cancel(self, room: int, reason: str) -> None:
+        with self._lock:
+            record = self._expected.get(room)
+            if record is not None:
+                record.state.fail(reason)
+
+    def pages_quiescent(self, room: int) -> bool:
+        record = self._expected.get(room)
+        return record is None or not record.busy
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._expected.pop(room, None)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _serve_pair(self, peer: str, store: dist.Store) -> None:
+        try:
+            channel = TorchPairChannel("", 0, RECEIVER, self.pool.k.device, self.timeout,
+                                       store=store)
+            while not self._closed:
+                room, payload, trailer = channel.recv_transfer(self.pool)
+                self._deliver(room, payload, trailer)
+        except RuntimeError as exc:
+            logger.warning("KV pair with %s closed: %s", peer, exc)
+        finally:
+            with self._lock:
+                if self._pairs.get(peer) is not None:
+                    del self._pairs[peer]
+
+    def _deliver(self, room: int, payload: torch.Tensor, trailer: TransferTrailer) -> None:
+        pool = self.pool
+        with self._lock:
+            record = self._expected.get(room)
+            if record is None or record.state.state is not KVPoll.WaitingForInput:
+                return  # cancelled or unknown: the bytes are dropped, no page is touched
+            if payload.shape[2] != len(record.dst_pages) * pool.page_size:
+                record.state.fail(f"the sender sent {payload.shape[2]} tokens of KV for "
+                                  f"{len(record.dst_pages)} pages")
+                return
+            record.state.advance(KVPoll.Transferring)
+            record.busy = True
+        try:
+            runs = contiguous_runs(record.dst_pages, record.dst_pages)
+            index = _token_index(pool, runs, dst=True)
+            for layer in range(pool.k.shape[0]):
+                pool.k[layer].index_copy_(0, index, payload[layer, 0])
+                pool.v[layer].index_copy_(0, index, payload[layer, 1])
+        finally:
+            with self._lock:
+                record.busy = False
+                if record.state.state is KVPoll.Transferring:
+                    record.trailer = trailer
+                    record.state.advance(KVPoll.Success)
+
+
+class _PairSender:
+    """One thread per decode endpoint: builds the pair, then sends queued transfers in order."""
+
+    def __init__(self, owner: TorchKVSender, endpoint: str):
+        self.owner = owner
+        self.endpoint = endpoint
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name=f"kv-send-{endpoint}").start()
+
+    def _run(self) -> None:
+        pool = self.owner.pool
+        host, _, port = self.endpoint.rpartition(":")
+        try:
+            channel = TorchPairChannel(host, int(port), SENDER, pool.k.device,
+                                       self.owner.timeout)
+        except (RuntimeError, ValueError) as exc:
+            self._fail_all(f"could not join the KV pair at {self.endpoint}: {exc}")
+            return
+        while True:
+            room, runs, trailer, state = self.jobs.get()
+            try:
+                channel.send_transfer(pool, room, runs, trailer)
+                state.advance(KVPoll.Success)
+            except RuntimeError as exc:
+                state.fail(f"sending KV for room {room} to {self.endpoint} failed: {exc}")
+                self._fail_all(f"the KV pair at {self.endpoint} failed: {exc}")
+                return
+
+    def _fail_all(self, reason: str) -> None:
+        self.owner._drop(self.endpoint, self)
+        while True:
+            try:
+                *_, state = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            state.fail(reason)
+
+
+class TorchKVSender:
+    def __init__(self, pool: PagedKVPool, timeout: float = 300.0):
+        self.pool = pool
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._pairs: dict[str, _PairSender] = {}
+
+    def send(self, endpoint: str, room: int, src_pages: Sequence[int],
+             dst_pages: Sequence[int], trailer: TransferTrailer) -> TransferState:
         state = TransferState()
         state.advance(KVPoll.Transferring)
-        threading.Thread(target=self._send, args=(pool, list(runs), trailer, tag, state),
-                         daemon=True).start()
+        runs = contiguous_runs(src_pages, dst_pages)
+        with self._lock:
+            pair = self._pairs.get(endpoint)
+            if pair is None:
+                pair = self._pairs[endpoint] = _PairSender(self, endpoint)
+            pair.jobs.put((room, runs, trailer, state))
         return state
 
-    def receive(self, pool: PagedKVPool, runs: Sequence[PageRun], tag: int,
-                on_trailer) -> TransferState:
-        state = TransferState()
-        state.advance(KVPoll.WaitingForInput)
-        threading.Thread(target=self._receive, args=(pool, list(runs), tag, state, on_trailer),
-                         daemon=True).start()
-        return state
+    def close(self) -> None:
+        pass
 
-    def _send(self, pool, runs, trailer, tag, state) -> None:
-        try:
-            index = _token_index(pool, runs, dst=False)
-            buf = torch.stack([
-                torch.stack([pool.k[layer].index_select(0, index),
-                             pool.v[layer].index_select(0, index)])
-                for layer in range(pool.k.shape[0])
-            ])
-            self.group.send([buf], self.peer, tag).wait()
-            meta = torch.tensor([float(trailer.first_token),
-                                 float("nan") if trailer.logprob is None else trailer.logprob],
-                                dtype=torch.float64, device=buf.device)
-            self.group.send([meta], self.peer, tag).wait()
-            state.advance(KVPoll.Success)
-        except RuntimeError as exc:
-            state.fail(f"torch.distributed send failed: {exc}")
-
-    def _receive(self, pool, runs, tag, state, on_trailer) -> None:
-        try:
-            index = _token_index(pool, runs, dst=True)
-            layers = pool.k.shape[0]
-            buf = torch.empty((layers, 2, len(index), *pool.k.shape[2:]), dtype=pool.k.dtype,
-                              device=pool.k.device)
-            meta = torch.empty(2, dtype=torch.float64, device=pool.k.device)
-            work = self.group.recv([buf], self.peer, tag)
-            state.advance(KVPoll.Transferring)
-            work.wait()
-            self.group.recv([meta], self.peer, tag).wait()
-            for layer in range(layers):
-                pool.k[layer].index_copy_(0, index, buf[layer, 0])
-                pool.v[layer].index_copy_(0, index, buf[layer, 1])
-            logprob = meta[1].item()
-            on_trailer(TransferTrailer(first_token=int(meta[0].item()),
-                                       logprob=None if logprob != logprob else logprob))
-            state.advance(KVPoll.Success)
-        except RuntimeError as exc:
-            state.fail(f"torch.distributed receive failed: {exc}")
+    def _drop(self, endpoint: str, pair: _PairSender) -> None:
+        with self._lock:
+            if self._pairs.get(endpoint) is pair:
+                del self._pairs[endpoint]
