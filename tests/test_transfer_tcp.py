@@ -96,3 +96,80 @@ def test_dead_receiver_fails_the_sender():
     receiver.close()
     sent = TcpKVSender(src, timeout=2).send(endpoint, 1, [0], [0], TransferTrailer(first_token=1))
     assert wait(lambda: sent.state) is KVPoll.Failed and "failed" in sent.reason
+
+
+def test_sender_dying_mid_transfer_fails_the_room_and_frees_its_pages():
+    """A prefill that dies after the header (half the bytes sent) leaves decode Failed, with
+    pages quiescent: nothing can write into them any more."""
+    import socket as socket_mod
+
+    from common.transfer.base import contiguous_runs
+    from common.transfer.tcp import TransferHeader, _recv_exact, _send_msg, pool_layout
+
+    src, dst = pool(), pool()
+    receiver = TcpKVReceiver(dst)
+    try:
+        receiver.expect(9, [4, 5])
+        layout = pool_layout(src)
+        host, _, port = receiver.endpoint.rpartition(":")
+        with socket_mod.create_connection((host, int(port))) as sock:
+            _send_msg(sock, TransferHeader(room=9, runs=contiguous_runs([0, 1], [4, 5]),
+                                           num_layers=layout.num_layers,
+                                           page_size=layout.page_size,
+                                           num_kv_heads=layout.num_kv_heads,
+                                           head_dim=layout.head_dim, dtype=layout.dtype))
+            assert _recv_exact(sock, 1) == b"\1"
+            sock.sendall(b"\0" * 100)
+        assert wait(lambda: receiver.poll(9)) is KVPoll.Failed
+        assert receiver.pages_quiescent(9)
+    finally:
+        receiver.close()
+
+
+def test_cancel_cuts_a_transfer_in_progress():
+    import socket as socket_mod
+
+    from common.transfer.base import contiguous_runs
+    from common.transfer.tcp import TransferHeader, _recv_exact, _send_msg, pool_layout
+
+    src, dst = pool(), pool()
+    receiver = TcpKVReceiver(dst)
+    try:
+        receiver.expect(3, [4])
+        layout = pool_layout(src)
+        host, _, port = receiver.endpoint.rpartition(":")
+        with socket_mod.create_connection((host, int(port))) as sock:
+            _send_msg(sock, TransferHeader(room=3, runs=contiguous_runs([0], [4]),
+                                           num_layers=layout.num_layers,
+                                           page_size=layout.page_size,
+                                           num_kv_heads=layout.num_kv_heads,
+                                           head_dim=layout.head_dim, dtype=layout.dtype))
+            assert _recv_exact(sock, 1) == b"\1"
+            assert receiver.poll(3) is KVPoll.Transferring
+            assert not receiver.pages_quiescent(3)
+            receiver.cancel(3, "client disconnected")
+            deadline = time.monotonic() + 5
+            while not receiver.pages_quiescent(3):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        assert receiver.poll(3) is KVPoll.Failed
+    finally:
+        receiver.close()
+
+
+def test_fake_backend_delivers_the_first_token_without_bytes():
+    from common.transfer.tcp import FakeKVSender
+
+    src, dst = pool(), pool()
+    fill(src)
+    receiver = TcpKVReceiver(dst)
+    try:
+        receiver.expect(4, [2, 3])
+        sent = FakeKVSender(src).send(receiver.endpoint, 4, [0, 1], [2, 3],
+                                      TransferTrailer(first_token=5))
+        assert wait(lambda: receiver.poll(4)) is KVPoll.Success
+        assert wait(lambda: sent.state) is KVPoll.Success
+        assert receiver.trailer(4).first_token == 5
+        assert not dst.k.any()  # no KV byte moved
+    finally:
+        receiver.close()
