@@ -148,7 +148,8 @@ class DecodeQueues:
                     entry, f"timed out in phase waiting_for_input after "
                            f"{self.timeouts.waiting_for_input:g}s: prefill rank "
                            f"{entry.prefill_rank} at {entry.host}:{entry.port} sent no KV for "
-                           f"bootstrap_room {entry.room}", 504))
+                           f"bootstrap_room {entry.room} (did the prefill request fail, or "
+                           "reach another prefill rank?)", 504))
             else:
                 peer = self.directory.lookup(entry.host, entry.port)
                 if peer.state is PeerState.DEAD:

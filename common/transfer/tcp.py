@@ -8,21 +8,24 @@ Receiver (decode side), one `TcpKVReceiver` per pool:
     trailer arrives           first output token + logprob: Success (or Failed on any error)
     forget(room)              drop the record once decode has consumed the result
 
-Sender (prefill side), `TcpKVSender.send(...)` runs one transfer in a worker thread and returns
-its `TransferState` to poll: Transferring -> Success once the receiver acknowledged, or Failed.
+Sender (prefill side), `TcpKVSender.send(...)` queues one transfer on the persistent connection
+to that receiver (one link thread per endpoint, transfers in order) and returns its
+`TransferState` to poll: Transferring -> Success once the receiver acknowledged, or Failed. A
+failed transfer closes the connection; the next one reconnects.
 
 Runs move with scatter/gather socket calls (sendmsg / recvmsg_into over up to 512 slices at a
 time), so a transfer of thousands of page slices costs a handful of syscalls and no copies.
 
-Wire format per connection (one request):
+Wire format, repeated per transfer on one connection:
     u32 length + msgpack TransferHeader, the raw run bytes, u32 length + msgpack
-    TransferTrailer; the receiver answers one byte (1 ok, 0 refused) after the header and again
-    after the trailer.
+    TransferTrailer; the receiver answers one byte (1 ok, 0 refused) after the header (after a
+    refusal no bytes follow and the connection carries on) and again after the trailer.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import struct
 import threading
@@ -230,32 +233,44 @@ class TcpKVReceiver:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        record = None
+        """Transfers from one sender, one after the other, until it closes the connection
+        (or a transfer fails: the connection ends with it and the sender reconnects)."""
         with conn:
-            try:
-                _tune(conn)
-                header = _recv_msg(conn, TransferHeader)
-                record = self._admit(header, conn)
-                if record is None:
-                    conn.sendall(b"\0")
+            _tune(conn)
+            while not self._closed:
+                try:
+                    header = _recv_msg(conn, TransferHeader)
+                except (OSError, ConnectionError, ValueError, msgspec.DecodeError):
+                    return  # the sender closed its persistent connection, or broke
+                if not self._receive(conn, header):
                     return
-                conn.sendall(b"\1")
-                _recv_views(conn, _run_views(self.pool, header.runs, dst=True))
-                trailer = _recv_msg(conn, TransferTrailer)
+
+    def _receive(self, conn: socket.socket, header: TransferHeader) -> bool:
+        """One transfer; True when the connection can carry the next one."""
+        record = self._admit(header, conn)
+        try:
+            if record is None:
+                conn.sendall(b"\0")
+                return True
+            conn.sendall(b"\1")
+            _recv_views(conn, _run_views(self.pool, header.runs, dst=True))
+            trailer = _recv_msg(conn, TransferTrailer)
+            with self._lock:
+                if record.state.state is KVPoll.Transferring:
+                    record.trailer = trailer
+                    record.state.advance(KVPoll.Success)
+            ok = record.state.state is KVPoll.Success
+            conn.sendall(b"\1" if ok else b"\0")
+            return ok
+        except (OSError, ConnectionError, ValueError, msgspec.DecodeError) as exc:
+            if record is not None:
+                record.state.fail(f"transfer failed: {exc}")
+            return False
+        finally:
+            if record is not None:
                 with self._lock:
-                    if record.state.state is KVPoll.Transferring:
-                        record.trailer = trailer
-                        record.state.advance(KVPoll.Success)
-                ok = record.state.state is KVPoll.Success
-                conn.sendall(b"\1" if ok else b"\0")
-            except (OSError, ConnectionError, ValueError, msgspec.DecodeError) as exc:
-                if record is not None:
-                    record.state.fail(f"transfer failed: {exc}")
-            finally:
-                if record is not None:
-                    with self._lock:
-                        record.busy = False
-                        record.conn = None
+                    record.busy = False
+                    record.conn = None
 
     def _admit(self, header: TransferHeader, conn: socket.socket) -> _Expected | None:
         layout = KVLayout(header.num_layers, header.page_size, header.num_kv_heads,
@@ -278,14 +293,58 @@ class TcpKVReceiver:
             return record
 
 
+class _Link:
+    """One persistent connection to a receiver endpoint and the thread that owns it: transfers
+    to that endpoint go out in order; a failure closes the connection and the next transfer
+    reconnects."""
+
+    def __init__(self, sender: TcpKVSender, endpoint: str):
+        self.sender = sender
+        self.endpoint = endpoint
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.sock: socket.socket | None = None
+        threading.Thread(target=self._run, daemon=True, name=f"kv-link-{endpoint}").start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                break
+            room, runs, trailer, state = job
+            try:
+                if self.sock is None:
+                    host, _, port = self.endpoint.rpartition(":")
+                    self.sock = socket.create_connection((host, int(port)),
+                                                         timeout=self.sender.timeout)
+                    _tune(self.sock)
+                self.sender._transfer(self.sock, room, runs, trailer)
+                state.advance(KVPoll.Success)
+            except _Refused as exc:
+                state.fail(f"sending KV for room {room} to {self.endpoint} failed: {exc}")
+            except (OSError, ConnectionError, ValueError) as exc:
+                state.fail(f"sending KV for room {room} to {self.endpoint} failed: {exc}")
+                self._close()
+        self._close()
+
+    def _close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
 class TcpKVSender:
     def __init__(self, pool: PagedKVPool, timeout: float = 30.0):
         self.pool = pool
         self.layout = pool_layout(pool)
         self.timeout = timeout
+        self._lock = threading.Lock()
+        self._links: dict[str, _Link] = {}
 
     def close(self) -> None:
-        pass  # one connection per transfer, closed by its own thread
+        with self._lock:
+            for link in self._links.values():
+                link.jobs.put(None)
+            self._links.clear()
 
     def _runs_to_send(self, runs: list[PageRun]) -> list[PageRun]:
         return runs
@@ -298,38 +357,35 @@ class TcpKVSender:
         dst_pages: Sequence[int],
         trailer: TransferTrailer,
     ) -> TransferState:
-        """Starts the transfer in a worker thread; poll the returned state. The source pages
-        must stay untouched until it reaches Success or Failed."""
+        """Queues the transfer on the endpoint's link; poll the returned state. The source
+        pages must stay untouched until it reaches Success or Failed."""
         state = TransferState()
         state.advance(KVPoll.Transferring)
-        runs = contiguous_runs(src_pages, dst_pages)
-        threading.Thread(
-            target=self._run, args=(endpoint, room, runs, trailer, state), daemon=True,
-            name=f"kv-send-{room}",
-        ).start()
+        runs = self._runs_to_send(contiguous_runs(src_pages, dst_pages))
+        with self._lock:
+            link = self._links.get(endpoint)
+            if link is None:
+                link = self._links[endpoint] = _Link(self, endpoint)
+            link.jobs.put((room, runs, trailer, state))
         return state
 
-    def _run(self, endpoint: str, room: int, runs: list[PageRun], trailer: TransferTrailer,
-             state: TransferState) -> None:
-        host, _, port = endpoint.rpartition(":")
-        runs = self._runs_to_send(runs)
+    def _transfer(self, sock: socket.socket, room: int, runs: list[PageRun],
+                  trailer: TransferTrailer) -> None:
         layout = self.layout
         header = TransferHeader(room=room, runs=runs, num_layers=layout.num_layers,
                                 page_size=layout.page_size, num_kv_heads=layout.num_kv_heads,
                                 head_dim=layout.head_dim, dtype=layout.dtype)
-        try:
-            with socket.create_connection((host, int(port)), timeout=self.timeout) as sock:
-                _tune(sock)
-                _send_msg(sock, header)
-                if _recv_exact(sock, 1) != b"\1":
-                    raise ConnectionError(f"the receiver refused bootstrap_room {room}")
-                _send_views(sock, _run_views(self.pool, runs, dst=False))
-                _send_msg(sock, trailer)
-                if _recv_exact(sock, 1) != b"\1":
-                    raise ConnectionError("the receiver did not acknowledge the transfer")
-            state.advance(KVPoll.Success)
-        except (OSError, ConnectionError, ValueError) as exc:
-            state.fail(f"sending KV for room {room} to {endpoint} failed: {exc}")
+        _send_msg(sock, header)
+        if _recv_exact(sock, 1) != b"\1":
+            raise _Refused(f"the receiver refused bootstrap_room {room}")
+        _send_views(sock, _run_views(self.pool, runs, dst=False))
+        _send_msg(sock, trailer)
+        if _recv_exact(sock, 1) != b"\1":
+            raise ConnectionError("the receiver did not acknowledge the transfer")
+
+
+class _Refused(ConnectionError):
+    """The receiver declined one transfer; the connection itself is fine."""
 
 
 class FakeKVSender(TcpKVSender):
