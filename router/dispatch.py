@@ -166,10 +166,16 @@ async def dispatch_pd(state: RouterState, request: web.Request, plan: RequestPla
     shared = msgspec.json.encode(plan.body)
     decode_payload = _decode_payload_for(state, plan, shared)
     prefill_leg = state.leg(prefill, path, shared, request_id)
+    # For troubleshooting: which prefill served it, and the rooms (prefill DP rank =
+    # room % the prefill's DP slots); the decode side reports its rank in meta_info.dp_rank.
+    trace = {"X-PD-Prefill": prefill.url, "X-PD-Bootstrap-Room": ",".join(map(str, rooms))}
     if plan.stream:
         return await _pd_stream(state, request, plan, path, request_id, prefill_leg, decode,
-                                decode_payload)
-    return await _pd_unary(state, plan, path, request_id, prefill_leg, decode, decode_payload)
+                                decode_payload, trace)
+    response = await _pd_unary(state, plan, path, request_id, prefill_leg, decode,
+                               decode_payload)
+    response.headers.update(trace)
+    return response
 
 
 async def _pd_unary(state: RouterState, plan: RequestPlan, path: str, request_id: str,
@@ -204,7 +210,8 @@ async def _pd_unary(state: RouterState, plan: RequestPlan, path: str, request_id
 
 async def _pd_stream(state: RouterState, request: web.Request, plan: RequestPlan, path: str,
                      request_id: str, prefill_leg: Leg, decode: Worker,
-                     decode_payload: Callable[[Worker], bytes]) -> web.StreamResponse:
+                     decode_payload: Callable[[Worker], bytes],
+                     trace: dict[str, str]) -> web.StreamResponse:
     prefill = prefill_leg.worker
     watch = PrefillWatch(prefill_leg, decode, capture_logprobs=plan.wants_input_logprobs)
     p_task = asyncio.create_task(watch.run())
@@ -225,8 +232,8 @@ async def _pd_stream(state: RouterState, request: web.Request, plan: RequestPlan
             failure = await decode_leg.status_failure(charge=prefill.available)
             await _cancel(p_task)
             return failure.response(request_id)
-        response = web.StreamResponse(status=200,
-                                      headers=_stream_headers(decode_leg, request_id))
+        response = web.StreamResponse(
+            status=200, headers={**_stream_headers(decode_leg, request_id), **trace})
         await response.prepare(request)
         relay = Relay(decode_leg, response, watch if plan.wants_input_logprobs else None,
                       p_task, state.args.request_timeout_secs)

@@ -15,7 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_models import (
+from pd_services import PDDeployment  # noqa: E402
+from tiny_models import (  # noqa: E402
     ARCHS,
     LLAMA3_ROPE_SCALING,
     build_tiny_checkpoint,
@@ -76,3 +77,19 @@ def tiny_model_dir(request: pytest.FixtureRequest) -> Path:
     if arch not in ARCHS:
         raise ValueError(f"tiny_model_dir: unknown arch {arch!r}; expected one of {ARCHS}")
     return request.getfixturevalue(f"tiny_{arch}_dir")
+
+
+# --------------------------------------------------------------------------- PD deployments
+# Session-scoped: the PD service tests and the router's end-to-end tests share them.
+
+
+@pytest.fixture(scope="session")
+def pd_tcp(tiny_llama_dir):
+    with PDDeployment(tiny_llama_dir, page_size=16, backend="tcp") as pd:
+        yield pd
+
+
+@pytest.fixture(scope="session")
+def pd_torch(tiny_qwen2_dir):
+    with PDDeployment(tiny_qwen2_dir, page_size=1, backend="torch") as pd:
+        yield pd

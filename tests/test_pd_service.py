@@ -11,43 +11,7 @@ import random
 import aiohttp
 import pytest
 
-from server_utils import ServerProcess, free_port
-
-COMMON = ("--max-total-tokens", "2048", "--torch-num-threads", "1",
-          "--max-running-requests", "16")
-
-
-class PDDeployment:
-    def __init__(self, model_dir, page_size: int, backend: str, dp: int = 2, extra=()):
-        self.bootstrap_port = free_port()
-        args = (*COMMON, "--page-size", str(page_size), "--disaggregation-transfer-backend",
-                backend, *extra)
-        self.prefill = ServerProcess(model_dir, *args, "--dp-size", str(dp),
-                                     "--disaggregation-bootstrap-port",
-                                     str(self.bootstrap_port), command="prefill")
-        self.decode = ServerProcess(model_dir, *args, "--dp-size", str(dp), command="decode")
-        self.colocated = ServerProcess(model_dir, *COMMON, "--page-size", str(page_size))
-
-    def __enter__(self):
-        try:
-            for server in (self.prefill, self.decode, self.colocated):
-                server.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-    def stop(self):
-        for server in (self.colocated, self.decode, self.prefill):
-            server.stop()
-
-    def pd_fields(self, rooms):
-        return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,
-                "bootstrap_room": rooms}
-
+from pd_services import PDDeployment
 
 def rooms(n=None):
     if n is None:
@@ -96,18 +60,6 @@ async def session():
 
 SHORT = [5, 6, 7, 8, 9]  # inside one 16-token page
 LONG = list(range(10, 50))  # three pages
-
-
-@pytest.fixture(scope="module")
-def pd_tcp(tiny_llama_dir):
-    with PDDeployment(tiny_llama_dir, page_size=16, backend="tcp") as pd:
-        yield pd
-
-
-@pytest.fixture(scope="module")
-def pd_torch(tiny_qwen2_dir):
-    with PDDeployment(tiny_qwen2_dir, page_size=1, backend="torch") as pd:
-        yield pd
 
 
 @pytest.mark.parametrize("deployment", ["pd_tcp", "pd_torch"])
