@@ -12,8 +12,10 @@ method, started with multiprocessing spawn, 4 ranks, a real shared-memory `LoadB
 timestamp it; the same process binds the front end's `frontend_input` (it drains and counts
 the controllers' `DispatchReport`s) and publishes a fresh snapshot per rank to the board every
 5 ms, so the load-aware methods really refresh from it. Four baseline forwarders wired the
-same way split the controller's cost: recv -> send only; + a zmq.Poller wait and NOBLOCK drain
-(as `run_forever`); + msgspec decode/encode; + a DispatchReport per drain.
+same way split the controller's cost: recv -> send only (the floor of any Python forwarder);
++ the controller's routing-only decode; + a DispatchReport per request right after the forward
+(the controller's reporting before it was deferred); a zmq.Poller wait and NOBLOCK drain with
+the routing decode (the controller's loop when it owns the multi-node load relay).
 
 * Throughput: N pre-encoded requests sent as fast as the PUSH socket takes them; dispatches/s
   = N / (last arrival at any scheduler socket - first send). Best and median of `--repeats`,
@@ -278,17 +280,19 @@ class MethodResult:
 # Python forwarders that do part of the controller's work, to split its cost (same wiring).
 RELAYS = {
     "plain": "baseline: relay, recv -> send",
-    "poll": "baseline: relay + Poller/NOBLOCK drain",
-    "codec": "baseline: relay + Poller + decode/encode",
-    "report": "baseline: relay + Poller + decode/encode + report",
+    "route": "baseline: relay + routing decode",
+    "report": "baseline: relay + routing decode + report per request",
+    "poll": "baseline: relay + Poller/NOBLOCK drain + routing decode",
 }
 
 
 def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, ready) -> None:
     """Forward every message to the next rank. "plain": blocking recv -> send, nothing decoded
-    (the floor of any Python forwarder); "poll": block on a zmq.Poller, then drain with NOBLOCK
-    (as run_forever does); "codec": + msgspec decode and re-encode of each GenerateRequest;
-    "report": + one DispatchReport per drain to the front end."""
+    (the floor of any Python forwarder); "route": + the controller's routing-only decode of
+    each request; "report": + a DispatchReport per request right after its forward (what the
+    controller did before it deferred its reports); "poll": block on a zmq.Poller, then drain
+    with NOBLOCK, with the routing decode (the controller's loop when it owns the multi-node
+    load relay)."""
     from common.messages import frontend_input
 
     die_with_parent()
@@ -305,32 +309,38 @@ def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, 
     ready.send_bytes(b"ready")
     ready.close()
     i, n = 0, len(outs)
+    recv = pull.recv
+    decode = scheduler_input.controller_decoder.decode
     if kind == "plain":
         while True:
-            outs[i].send(pull.recv())
+            outs[i].send(recv())
+            i = (i + 1) % n
+    if kind == "route":
+        while True:
+            raw = recv()
+            decode(raw)
+            outs[i].send(raw)
+            i = (i + 1) % n
+    if kind == "report":
+        encode = frontend_input.encoder.encode
+        while True:
+            raw = recv()
+            req = decode(raw)
+            outs[i].send(raw)
+            to_frontend.send(encode(frontend_input.DispatchReport(rids=[req.rid], ranks=[i])))
             i = (i + 1) % n
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    decode, encode = scheduler_input.decoder.decode, scheduler_input.encoder.encode
-    codec = kind in ("codec", "report")
     while True:
         poller.poll()
-        rids, ranks = [], []
         while True:
             try:
                 raw = pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if codec:
-                req = decode(raw)
-                raw = encode(req)
-                rids.append(req.rid)
-                ranks.append(i)
+            decode(raw)
             outs[i].send(raw)
             i = (i + 1) % n
-        if kind == "report" and rids:
-            report = frontend_input.DispatchReport(rids=rids, ranks=ranks)
-            to_frontend.send(frontend_input.encoder.encode(report))
 
 
 @dataclass
@@ -458,7 +468,9 @@ class Rig:
         of the machine's load hits them all alike, while each is measured warm, as under a
         steady trickle of requests). Each request through an endpoint is paired with a direct
         sample, alternating which goes first, with `gap_s` of quiet before each send, so the
-        side traffic of the previous one (a DispatchReport, the receiver handling it) is over."""
+        side traffic of the previous one (a DispatchReport, the receiver handling it) is over.
+        The controller's deferred reports go every REPORT_DELAY_MS (10 ms), one per ~9 of these
+        requests, right after a forward (so in a via sample)."""
         self._command("echo")
         out = {ep.name: LatencyResult([], []) for ep in eps}
         direct_iter = iter(direct_msgs)
@@ -574,6 +586,9 @@ class _Done(Exception):
     pass
 
 
+STOP_ID = "bench-stop"
+
+
 @dataclass
 class ProfileResult:
     method: str
@@ -613,15 +628,15 @@ class InProcessController:
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.connect(self.ipc.controller_input)
         loop = self.loop
-        flush = loop.flush_report
-        self.stop_at = 0
+        handle_control = loop.handle_control
 
-        def flush_and_maybe_stop() -> None:  # run_forever calls this after each drain
-            flush()
-            if loop.num_dispatched >= self.stop_at:
+        def control_or_stop(msg) -> None:  # the sentinel queued after the requests ends a run
+            if isinstance(msg, scheduler_input.StatsRequest) and msg.request_id == STOP_ID:
                 raise _Done
+            handle_control(msg)
 
-        loop.flush_report = flush_and_maybe_stop
+        loop.handle_control = control_or_stop
+        self.stop = scheduler_input.encoder.encode(scheduler_input.StatsRequest(request_id=STOP_ID))
 
     def run(self, msgs: list[bytes], profiler: cProfile.Profile | None = None
             ) -> tuple[float, float]:
@@ -629,8 +644,8 @@ class InProcessController:
         wall s."""
         for raw in msgs:
             self.push.send(raw)
+        self.push.send(self.stop)
         time.sleep(0.05 + len(msgs) * 2e-6)  # let the I/O thread move them into the queue
-        self.stop_at = self.loop.num_dispatched + len(msgs)
         gc.collect()  # this benchmark's garbage, not the controller's
         c0, w0 = time.thread_time(), time.perf_counter()
         try:
@@ -679,31 +694,10 @@ def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, boar
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{folder}/sink")
 
-    class Head(msgspec.Struct, tag="generate", kw_only=True, frozen=True):
-        """What the controller needs: routing fields, the prompt left undecoded."""
-        rid: str
-        input_ids: msgspec.Raw
-        routed_dp_rank: int | None = None
-        bootstrap_room: int | None = None
-
-    head_decoder = msgspec.msgpack.Decoder(Head)
-
-    def prompt_len(raw: msgspec.Raw) -> int:  # the msgpack array header holds the length
-        b = memoryview(raw)[:5].tobytes()
-        if 0x90 <= b[0] <= 0x9F:
-            return b[0] & 0x0F
-        return int.from_bytes(b[1:3] if b[0] == 0xDC else b[1:5], "big")
-
     def decode(k, src=msgs):
         d = scheduler_input.decoder.decode
         for m in src[:k]:
             d(m)
-
-    def decode_head(k, src=msgs):
-        d = head_decoder.decode
-        for m in src[:k]:
-            h = d(m)
-            prompt_len(h.input_ids)
 
     def encode(k, src=decoded):
         e = scheduler_input.encoder.encode
@@ -731,10 +725,15 @@ def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, boar
                           refresh_interval=REFRESH_INTERVAL_S)
 
         def run(k):
-            place = disp.place_batch
+            place = disp.place
             for r in decoded[:k]:
-                place([DispatchItem(len(r.input_ids), r.routed_dp_rank, r.bootstrap_room)])
+                place(len(r.input_ids), r.routed_dp_rank, r.bootstrap_room)
         return run
+
+    def route(k, src=msgs):  # what the controller decodes of each request
+        d = scheduler_input.controller_decoder.decode
+        for m in src[:k]:
+            scheduler_input.encoded_array_len(d(m).input_ids)
 
     def board_read(k):
         for _ in range(k):
@@ -748,12 +747,12 @@ def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, boar
         (f"zmq PUSH send, ipc ({len(msgs[0])} bytes)", send, n,
          "pyzmq send of the encoded bytes"),
     ]
-    rows += [(f"DispatchItem + place_batch: {m}", dispatcher_for(m), n,
+    rows += [(f"Dispatcher.place: {m}", dispatcher_for(m), n,
               "incl. board refresh every 20 ms" if m in LOAD_AWARE else "") for m in METHODS]
     rows += [
         ("LoadBoard.read_all (4 ranks)", board_read, max(200, n // 20),
          "once per 20 ms at most, per refresh"),
-        ("what-if: decode routing fields only", decode_head, n,
+        ("controller decode: routing fields only", route, n,
          "input_ids as msgspec.Raw; length from its msgpack header"),
         (f"msgspec decode GenerateRequest ({long_prompt} tokens)",
          lambda k: decode(k, long_msgs), long_n, "a long prompt"),
@@ -761,8 +760,8 @@ def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, boar
          lambda k: encode(k, long_decoded), long_n, ""),
         (f"zmq PUSH send, ipc ({len(long_msgs[0])} bytes)", lambda k: send(k, long_msgs),
          long_n, ""),
-        (f"what-if: routing fields only ({long_prompt} tokens)",
-         lambda k: decode_head(k, long_msgs), long_n,
+        (f"controller decode: routing fields only ({long_prompt} tokens)",
+         lambda k: route(k, long_msgs), long_n,
          "msgspec still walks the array to skip it"),
         ("what-if: decode a separate routing header frame", decode_header_frame, n,
          "(rid, tokens, routed_dp_rank, bootstrap_room); body forwarded as bytes"),
@@ -1182,8 +1181,10 @@ def format_throughput(results: list[MethodResult], ns: argparse.Namespace) -> st
         "/proc/PID/task/*/schedstat. "
         "Baselines: Python processes wired like the controller that do only part of its work "
         "(round robin, no Dispatcher): `recv()` -> `send()` (the ceiling of any Python forwarder "
-        "here); + blocking on a zmq.Poller and draining with NOBLOCK, as run_forever does; + "
-        "msgspec decode and re-encode; + one DispatchReport per drain.",
+        "here); + the controller's routing-only decode; + one DispatchReport per request sent "
+        "right after its forward (the controller's reporting before reports were deferred); "
+        "blocking on a zmq.Poller and draining with NOBLOCK, with the routing decode (the "
+        "controller's loop when it owns the multi-node load relay).",
     ]
     return "\n".join(out)
 
@@ -1193,18 +1194,16 @@ def format_latency(results: list[MethodResult], ns: argparse.Namespace) -> str:
         f"### Per-hop latency ({ns.latency_samples:,} requests one at a time, send -> arrival at a "
         f"scheduler socket, us; target: added p50 < {TARGET_ADDED_P50_US:g} us)",
         "",
-        "| method | via controller p50 | via controller p99 | direct PUSH->PULL p50 | direct "
-        "p99 | added p50 | added p99 | target |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| method | via controller p50 | p90 | p99 | direct PUSH->PULL p50 | p90 | p99 | "
+        "added p50 | added p90 | added p99 | target |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
-        v50, v99 = percentile(r.latency.via_us, 50), percentile(r.latency.via_us, 99)
-        d50, d99 = percentile(r.latency.direct_us, 50), percentile(r.latency.direct_us, 99)
-        out.append(
-            f"| {r.method} | {v50:.1f} | {v99:.1f} | {d50:.1f} | {d99:.1f} | {v50 - d50:.1f} | "
-            f"{v99 - d99:.1f} | "
-            f"{verdict(r, v50 - d50 < TARGET_ADDED_P50_US)} |"
-        )
+        via = [percentile(r.latency.via_us, q) for q in (50, 90, 99)]
+        direct = [percentile(r.latency.direct_us, q) for q in (50, 90, 99)]
+        added = [v - d for v, d in zip(via, direct)]
+        cells = " | ".join(f"{x:.1f}" for x in (*via, *direct, *added))
+        out.append(f"| {r.method} | {cells} | {verdict(r, added[0] < TARGET_ADDED_P50_US)} |")
     out += [
         "",
         "Each sample through the controller (front end -> controller -> scheduler socket: two "
@@ -1213,8 +1212,10 @@ def format_latency(results: list[MethodResult], ns: argparse.Namespace) -> str:
         f"arrives), in blocks of {latency_block(ns)} requests per row, the rows taking turns; "
         "\"added\" = the "
         "controller's cost: one more hop plus its processing. The "
-        "baseline rows split that cost: the extra hop alone, then the Poller, the codec and the "
-        "report added one by one (the controller adds its Dispatcher and bookkeeping on top).",
+        "baseline rows split that cost: the extra hop alone, + the routing decode, + a report sent "
+        "after each forward (the controller defers its reports: one DispatchReport per 10 ms, here "
+        "one per ~9 requests, sent after a forward), and a Poller loop instead of a blocking "
+        "recv (the controller adds its Dispatcher on top).",
     ]
     return "\n".join(out)
 

@@ -62,6 +62,12 @@ def test_round_robin_cycles_active_slots_only_and_skips_unavailable():
     assert sorted(d.dispatch(item()) for _ in range(3)) == [0, 2, 3]
 
 
+def _all_reserved(method: str) -> Dispatcher:
+    d = Dispatcher(method, 2, 1)
+    d.set_state(0, SlotState.RESERVED)
+    return d
+
+
 def test_round_robin_full_lap_of_unavailable_is_503_and_recovers():
     d = Dispatcher("round_robin", 2, 2)
     d.set_state(0, SlotState.UNAVAILABLE)
@@ -71,6 +77,10 @@ def test_round_robin_full_lap_of_unavailable_is_503_and_recovers():
     assert err.value.status == 503
     d.set_state(1, SlotState.ACTIVE)
     assert d.dispatch(item()) == 1
+    for method in ("round_robin", "total_requests", "total_tokens"):
+        with pytest.raises(DispatchError) as err:  # every slot removed: a 503, not a crash
+            _all_reserved(method).place(5)
+        assert err.value.status == 503
 
 
 def test_routed_rank_leaves_counter_and_budget_alone():
@@ -201,3 +211,178 @@ def test_controller_reads_routing_fields_without_decoding_prompts():
                       si.AbortRequest)
     with pytest.raises(ValueError):
         si.encoded_array_len(msgspec.msgpack.decode(msgspec.msgpack.encode(3), type=msgspec.Raw))
+
+
+def test_single_place_matches_batch_of_one_for_every_method():
+    """`place` (the controller's hot path, cached slot lists) decides exactly as a batch of one,
+    through state changes, routed ranks, errors and budget refreshes."""
+    import random
+
+    rng = random.Random(1)
+    for method in ("round_robin", "follow_bootstrap_room", "total_requests", "total_tokens"):
+        clock, board = FakeClock(), FakeBoard(5)
+        for r in range(5):
+            board.set(r, 1.0, running=rng.randrange(4), tokens=rng.randrange(500))
+        one = Dispatcher(method, 5, 4, read_loads=board, clock=clock)
+        batch = Dispatcher(method, 5, 4, read_loads=board, clock=clock)
+        for step in range(400):
+            if step % 50 == 25:
+                slot, state = rng.randrange(5), rng.choice(list(SlotState))
+                one.set_state(slot, state)
+                batch.set_state(slot, state)
+            if step % 40 == 0:
+                clock.now += 0.05
+                board.set(rng.randrange(5), clock.now, running=rng.randrange(6),
+                          tokens=rng.randrange(800))
+            it = item(tokens=rng.randrange(1, 300),
+                      rank=rng.choice([None] * 6 + [0, 3, 7]),
+                      room=rng.choice([None, rng.getrandbits(63)]))
+            try:
+                got = one.place(it.num_tokens, it.routed_dp_rank, it.bootstrap_room)
+            except DispatchError as exc:
+                got = ("error", exc.status, exc.message)
+            [want] = batch.place_batch([it])
+            if isinstance(want, DispatchError):
+                want = ("error", want.status, want.message)
+            assert got == want, (method, step)
+            assert (one.requests, one.tokens, one.rr_counter) == (
+                batch.requests, batch.tokens, batch.rr_counter)
+
+
+# ---- the controller loop: forwarding and deferred DispatchReports --------------------------
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def controller(tmp_path, monkeypatch):
+    """A real ControllerLoop (round robin, 3 ranks) in a thread, its peers bound here. Yields a
+    factory: start(**report_settings) -> (push, schedulers, frontend)."""
+    import threading
+
+    import zmq
+
+    import common.dp.controller as ctl
+    from common.messages import scheduler_input as si
+    from common.server.ipc import IpcPaths
+
+    ctx = zmq.Context()
+    folder = str(tmp_path)
+    ipc = IpcPaths(folder=folder, controller_input=f"ipc://{folder}/ctl",
+                   detokenizer_input=f"ipc://{folder}/detok",
+                   frontend_input=f"ipc://{folder}/fe")
+    scheds = []
+    for rank in range(3):
+        s = ctx.socket(zmq.PULL)
+        s.bind(ipc.scheduler_input_of(rank))
+        scheds.append(s)
+    frontend = ctx.socket(zmq.PULL)
+    frontend.bind(ipc.frontend_input)
+    started = []
+
+    class StoppableLoop(ctl.ControllerLoop):
+        def handle_control(self, msg):
+            if isinstance(msg, si.StatsRequest) and msg.request_id == "stop":
+                raise _Stop
+            super().handle_control(msg)
+
+    def start(prequeued: list[bytes] = (), **settings):
+        for name, value in settings.items():
+            monkeypatch.setattr(ctl, name, value)
+        loop = StoppableLoop(Dispatcher("round_robin", 3, 3), ipc, ctx=ctx)
+        push = ctx.socket(zmq.PUSH)
+        push.connect(ipc.controller_input)
+        for raw in prequeued:
+            push.send(raw)
+        if prequeued:
+            import time
+            time.sleep(0.2)  # queued in the controller's socket before its loop starts
+
+        def run():
+            try:
+                loop.run_forever()
+            except _Stop:
+                pass
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        started.append((push, thread, loop))
+        return push, scheds, frontend
+
+    yield start
+    for push, thread, loop in started:
+        push.send(si.encoder.encode(si.StatsRequest(request_id="stop")))
+        thread.join(5)
+        assert not thread.is_alive()
+    ctx.destroy(linger=0)
+
+
+def _gen(rid: str, **kw) -> bytes:
+    from common.messages import scheduler_input as si
+    from common.messages.sampling import SamplingParams
+
+    return si.encoder.encode(si.GenerateRequest(rid=rid, input_ids=[1, 2, 3],
+                                                sampling=SamplingParams(), **kw))
+
+
+def _reports(frontend, timeout_ms: int = 2000) -> list:
+    from common.messages import frontend_input
+
+    out = []
+    while frontend.poll(timeout_ms):
+        out.append(frontend_input.decoder.decode(frontend.recv()))
+        timeout_ms = 50
+    return out
+
+
+def test_controller_forwards_at_once_and_reports_a_burst_in_one_message(controller):
+    raws = [_gen(f"r{i}") for i in range(5)]
+    # (a long delay: a stalled CI machine must not split the burst's report)
+    push, scheds, frontend = controller(prequeued=raws, REPORT_DELAY_MS=300)
+    # Forwarded unchanged, round robin over the 3 ranks.
+    for i, raw in enumerate(raws):
+        assert scheds[i % 3].poll(2000) and scheds[i % 3].recv() == raw
+    # The queued burst was handled back to back: one report, once the input went quiet.
+    [report] = _reports(frontend)
+    assert report.rids == [f"r{i}" for i in range(5)] and report.ranks == [0, 1, 2, 0, 1]
+    assert report.failed == []
+    push.send(_gen("later"))  # a lone request is reported too
+    [report] = _reports(frontend)
+    assert (report.rids, report.ranks) == (["later"], [2])
+
+
+def test_controller_reports_failures_at_once_and_keeps_serving(controller):
+    push, scheds, frontend = controller(REPORT_DELAY_MS=60_000)
+    push.send(_gen("ok"))
+    push.send(_gen("bad", routed_dp_rank=7))
+    [report] = _reports(frontend)  # the failure flushes what was pending with it
+    assert report.rids == ["ok"] and report.ranks == [0]
+    [failure] = report.failed
+    assert (failure.rid, failure.status, failure.param) == ("bad", 400, "routed_dp_rank")
+    push.send(_gen("after"))
+    assert scheds[1].poll(2000) and scheds[1].recv() == _gen("after")
+
+
+def test_controller_report_waits_at_most_max_items(controller):
+    push, scheds, frontend = controller(REPORT_DELAY_MS=60_000, REPORT_MAX_ITEMS=3)
+    for i in range(4):
+        push.send(_gen(f"n{i}"))
+    [report] = _reports(frontend)  # the first 3: the item cap; n3 waits (60 s)
+    assert report.rids == ["n0", "n1", "n2"]
+
+
+def test_controller_report_is_bounded_in_time_under_a_trickle(controller):
+    """Requests closer together than the delay still get reported: by age, after a forward."""
+    import time
+
+    push, scheds, frontend = controller(REPORT_DELAY_MS=100)
+    t0 = time.monotonic()
+    for rid in ("a", "b", "c", "d"):
+        push.send(_gen(rid))
+        time.sleep(0.04)
+    reports = _reports(frontend)
+    assert [rid for r in reports for rid in r.rids] == ["a", "b", "c", "d"]
+    assert len(reports) < 4  # batched
+    assert time.monotonic() - t0 < 2.0

@@ -7,8 +7,19 @@
     replies go scheduler -> detokenizer -> front end, never through here.
     PULL load relay (multi-node, load-aware methods only): other nodes' snapshots -> board
 
-It blocks on the poller when there is nothing to read, and survives every per-request error:
-a request that cannot be placed gets a DispatchFailure (HTTP 4xx/503 for that client only).
+It blocks when there is nothing to read (on `recv()` of its one input socket, or on a poller
+when it also owns the load relay), and survives every per-request error: a request that cannot
+be placed gets a DispatchFailure (HTTP 4xx/503 for that client only).
+
+Reports are off the forwarding path: a request's hop is just decode -> Dispatcher -> send.
+Outcomes are collected and sent as one DispatchReport once the oldest is REPORT_DELAY_MS old
+(checked after each message; a quiet input times the wait out after as long again, so a report
+is at most twice that late), or when REPORT_MAX_ITEMS are waiting; under load one report covers
+many requests. Failures are reported at once (nothing was forwarded, and the client is waiting
+for its error). Only dead-rank handling and abort routing in the front end read the ranks, and
+both cope with a late report (an abort without a known rank goes to every rank; a report naming
+a rank that died meanwhile fails the request then).
+
 Aborts go to the rank that owns the request when the front end knows it, else to every rank;
 flush and stats requests go to every started rank.
 """
@@ -16,6 +27,7 @@ flush and stats requests go to every started rank.
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -27,11 +39,18 @@ from common.loads.board import LoadBoard
 from common.loads.relay import bind_relay, write_relayed
 from common.messages import frontend_input, launch, scheduler_input
 from common.messages.frontend_input import DispatchFailure, DispatchReport
+from common.messages.scheduler_input import RoutedBatch, RoutedGenerate, encoded_array_len
 from common.server.ipc import IpcPaths, drain_nowait
 from common.server.topology import Topology
 from common.server.process_utils import configure_logging, die_with_parent, report
 
 logger = logging.getLogger(__name__)
+
+# When dispatch outcomes go to the front end (see the module docstring).
+REPORT_DELAY_MS = 10
+REPORT_MAX_ITEMS = 512
+
+_decode = scheduler_input.controller_decoder.decode
 
 
 class ControllerLoop:
@@ -65,33 +84,92 @@ class ControllerLoop:
         self.to_frontend = self.ctx.socket(zmq.PUSH)
         self.to_frontend.connect(ipc.frontend_input)
         self.num_dispatched = 0
-        # Dispatch outcomes collected while draining the socket, sent as one report.
+        # Dispatch outcomes not yet reported to the front end, and when they must go at the latest.
         self._rids: list[str] = []
         self._ranks: list[int] = []
         self._failed: list[DispatchFailure] = []
+        self._report_due: float | None = None
 
     def run_forever(self) -> None:
+        if self.relay is None:
+            self._run_single_input()
+        else:
+            self._run_polled()
+
+    def _run_single_input(self) -> None:
+        """One input socket: a blocking recv wakes faster than a Poller wait. While outcomes
+        wait to be reported it has a timeout (RCVTIMEO), so a quiet input still reports them.
+        The hot path (one GenerateRequest) is inlined: every step here is on the request's hop."""
+        recv = self.recv.recv
+        dispatcher = self.dispatcher
+        place = dispatcher.place
+        uses_tokens = dispatcher.uses_tokens
+        workers = self.workers
+        monotonic = time.monotonic
         while True:
-            if self.relay is None:
-                # One input socket: a blocking recv wakes faster than a Poller wait.
-                self.handle_raw(self.recv.recv())
+            try:
+                raw = recv()
+            except zmq.Again:  # quiet for REPORT_DELAY_MS
+                self.flush_report()
+                continue
+            msg = _decode(raw)
+            if type(msg) is RoutedGenerate:
+                try:
+                    rank = place(encoded_array_len(msg.input_ids) if uses_tokens else 0,
+                                 msg.routed_dp_rank, msg.bootstrap_room)
+                except DispatchError as exc:
+                    self._fail(msg.rid, exc)
+                else:
+                    workers[rank].send(raw)
+                    self._dispatched(msg.rid, rank)
             else:
-                self.poller.poll()
-                for raw in drain_nowait(self.relay):
-                    write_relayed(self.relay_board, raw)
-            # Everything already queued is handled before reporting, so reports batch up.
+                self.handle_message(msg)
+            due = self._report_due
+            if due is not None and (
+                self._failed or monotonic() >= due or len(self._rids) >= REPORT_MAX_ITEMS
+            ):
+                self.flush_report()
+
+    def _run_polled(self) -> None:
+        """With the multi-node load relay: a Poller over both sockets, NOBLOCK drains."""
+        while True:
+            if not self.poller.poll(REPORT_DELAY_MS if self._report_due is not None else None):
+                self.flush_report()  # quiet: time to report
+                continue
+            for raw in drain_nowait(self.relay):
+                write_relayed(self.relay_board, raw)
             for raw in drain_nowait(self.recv):
                 self.handle_raw(raw)
-            self.flush_report()
+            due = self._report_due
+            if due is not None and (
+                self._failed or time.monotonic() >= due or len(self._rids) >= REPORT_MAX_ITEMS
+            ):
+                self.flush_report()
 
     # ---- message handling ----------------------------------------------------------------
     def handle_raw(self, raw: bytes) -> None:
-        msg = scheduler_input.controller_decoder.decode(raw)
-        if isinstance(msg, scheduler_input.RoutedGenerate):
-            self._dispatch([(msg, raw)])
-        elif isinstance(msg, scheduler_input.RoutedBatch):
-            decode = scheduler_input.routed_generate_decoder.decode
-            self._dispatch([(decode(item), bytes(item)) for item in msg.requests])
+        """One message from the front end (the polled loop; the single-input loop inlines the
+        GenerateRequest case)."""
+        msg = _decode(raw)
+        if type(msg) is RoutedGenerate:
+            dispatcher = self.dispatcher
+            try:
+                rank = dispatcher.place(
+                    encoded_array_len(msg.input_ids) if dispatcher.uses_tokens else 0,
+                    msg.routed_dp_rank, msg.bootstrap_room,
+                )
+            except DispatchError as exc:
+                self._fail(msg.rid, exc)
+                return
+            self.workers[rank].send(raw)
+            self._dispatched(msg.rid, rank)
+        else:
+            self.handle_message(msg)
+
+    def handle_message(self, msg) -> None:
+        """Everything but a single GenerateRequest: a batch, or a control message."""
+        if type(msg) is RoutedBatch:
+            self._dispatch_batch(msg)
         else:
             self.handle_control(msg)
 
@@ -111,29 +189,48 @@ class ControllerLoop:
     def _started_ranks(self) -> list[int]:
         return [r for r in range(self.dispatcher.num_slots) if self.dispatcher.is_available(r)]
 
-    def _dispatch(self, reqs: list[tuple[scheduler_input.RoutedGenerate, bytes]]) -> None:
-        """Place each request and forward its original bytes to the chosen rank."""
+    def _dispatch_batch(self, batch: RoutedBatch) -> None:
+        """Place every request of a batch (one budget refresh) and forward each one's bytes."""
+        decode = scheduler_input.routed_generate_decoder.decode
+        reqs = [(decode(item), bytes(item)) for item in batch.requests]
         items = [
-            DispatchItem(scheduler_input.encoded_array_len(r.input_ids), r.routed_dp_rank,
-                         r.bootstrap_room)
+            DispatchItem(encoded_array_len(r.input_ids), r.routed_dp_rank, r.bootstrap_room)
             for r, _ in reqs
         ]
         for (req, raw), rank in zip(reqs, self.dispatcher.place_batch(items)):
             if isinstance(rank, DispatchError):
-                self._failed.append(DispatchFailure(
-                    rid=req.rid, status=rank.status, message=rank.message, param=rank.param
-                ))
+                self._fail(req.rid, rank)
                 continue
             self.workers[rank].send(raw)
-            self._rids.append(req.rid)
-            self._ranks.append(rank)
-            self.num_dispatched += 1
+            self._dispatched(req.rid, rank)
+
+    def _dispatched(self, rid: str, rank: int) -> None:
+        self._rids.append(rid)
+        self._ranks.append(rank)
+        self.num_dispatched += 1
+        if self._report_due is None:
+            self._report_pending()
+
+    def _fail(self, rid: str, exc: DispatchError) -> None:
+        self._failed.append(DispatchFailure(
+            rid=rid, status=exc.status, message=exc.message, param=exc.param
+        ))
+        if self._report_due is None:
+            self._report_pending()
+
+    def _report_pending(self) -> None:
+        self._report_due = time.monotonic() + REPORT_DELAY_MS / 1000
+        self.recv.rcvtimeo = REPORT_DELAY_MS
 
     def flush_report(self) -> None:
+        """Send the outcomes collected so far as one DispatchReport."""
         if self._rids or self._failed:
             report_msg = DispatchReport(rids=self._rids, ranks=self._ranks, failed=self._failed)
             self.to_frontend.send(frontend_input.encoder.encode(report_msg))
             self._rids, self._ranks, self._failed = [], [], []
+        if self._report_due is not None:
+            self._report_due = None
+            self.recv.rcvtimeo = -1
 
 
 def run_controller_process(

@@ -97,22 +97,49 @@ class Dispatcher:
         self.tokens = [0] * num_slots
         self._last_refresh = float("-inf")
         self._seen_timestamps: list[float | None] = [None] * num_slots
+        # Only total_tokens reads an item's prompt length (callers may skip computing it).
+        self.uses_tokens = method == "total_tokens"
+        self._load_aware = method in LOAD_AWARE
+        self._pick = {
+            "round_robin": self._round_robin,
+            "follow_bootstrap_room": self._follow_room,
+            "total_requests": self._least_requests,
+            "total_tokens": self._least_tokens,
+        }[method]
+        self._cache_slots()
 
     # ---- worker set --------------------------------------------------------------------
+    def _cache_slots(self) -> None:
+        """The slot lists every dispatch reads, rebuilt only when a state changes."""
+        self._active = tuple(i for i, s in enumerate(self.states) if s is not SlotState.RESERVED)
+        self._available = tuple(i for i, s in enumerate(self.states) if s is SlotState.ACTIVE)
+        self._up = [s is SlotState.ACTIVE for s in self.states]
+
     @property
     def active(self) -> list[int]:
         """Slots that take round-robin turns: started ones, dead or alive."""
-        return [i for i, s in enumerate(self.states) if s is not SlotState.RESERVED]
+        return list(self._active)
 
     def set_state(self, slot: int, state: SlotState) -> None:
         self.states[slot] = state
+        self._cache_slots()
 
     def is_available(self, slot: int) -> bool:
-        return self.states[slot] is SlotState.ACTIVE
+        return self._up[slot]
 
     # ---- dispatch ----------------------------------------------------------------------
     def dispatch(self, item: DispatchItem) -> int:
-        return self.dispatch_batch([item])[0]
+        return self.place(item.num_tokens, item.routed_dp_rank, item.bootstrap_room)
+
+    def place(self, num_tokens: int, routed_dp_rank: int | None = None,
+              bootstrap_room: int | None = None) -> int:
+        """The rank of one request (a batch of one: refreshes the budget when it is due);
+        raises DispatchError when it cannot be placed. The controller's hot path."""
+        if routed_dp_rank is not None:
+            return self._routed(routed_dp_rank)
+        if self._load_aware:
+            self.maybe_refresh()
+        return self._pick(num_tokens, bootstrap_room)
 
     def dispatch_batch(self, items: Sequence[DispatchItem]) -> list[int]:
         """One rank per item; raises DispatchError for the first item that cannot be placed."""
@@ -124,24 +151,18 @@ class Dispatcher:
 
     def place_batch(self, items: Sequence[DispatchItem]) -> list[int | DispatchError]:
         """One rank, or the error for that item alone, per item; one budget refresh."""
-        if self.method in LOAD_AWARE and any(i.routed_dp_rank is None for i in items):
+        if self._load_aware and any(i.routed_dp_rank is None for i in items):
             self.maybe_refresh()
         out: list[int | DispatchError] = []
         for item in items:
             try:
-                out.append(self._dispatch_one(item))
+                if item.routed_dp_rank is not None:
+                    out.append(self._routed(item.routed_dp_rank))
+                else:
+                    out.append(self._pick(item.num_tokens, item.bootstrap_room))
             except DispatchError as exc:
                 out.append(exc)
         return out
-
-    def _dispatch_one(self, item: DispatchItem) -> int:
-        if item.routed_dp_rank is not None:
-            return self._routed(item.routed_dp_rank)
-        if self.method == "round_robin":
-            return self._round_robin()
-        if self.method == "follow_bootstrap_room":
-            return self._follow_room(item.bootstrap_room)
-        return self._least_loaded(item.num_tokens)
 
     def _routed(self, rank: int) -> int:
         if not 0 <= rank < self.num_slots:
@@ -149,45 +170,67 @@ class Dispatcher:
                 f"routed_dp_rank {rank} is out of range [0, {self.num_slots})", 400,
                 "routed_dp_rank",
             )
-        if not self.is_available(rank):
+        if not self._up[rank]:
             raise DispatchError(
                 f"routed_dp_rank {rank} is {self.states[rank].value}", 503, "routed_dp_rank"
             )
         return rank
 
-    def _round_robin(self) -> int:
-        active = self.active
-        for _ in range(len(active)):
-            slot = active[self.rr_counter % len(active)]
-            self.rr_counter = (self.rr_counter + 1) % len(active)
-            if self.is_available(slot):
+    def _round_robin(self, num_tokens: int = 0, room: int | None = None) -> int:
+        active, up = self._active, self._up
+        n = len(active)
+        if not n:
+            raise DispatchError("no DP worker is available", 503)
+        counter = self.rr_counter % n
+        slot = active[counter]
+        if up[slot]:  # the usual case: its turn, and alive
+            self.rr_counter = (counter + 1) % n
+            return slot
+        for _ in range(n):
+            slot = active[counter]
+            counter = (counter + 1) % n
+            if up[slot]:
+                self.rr_counter = counter
                 return slot
+        self.rr_counter = counter
         raise DispatchError("no DP worker is available", 503)
 
-    def _follow_room(self, room: int | None) -> int:
+    def _follow_room(self, num_tokens: int = 0, room: int | None = None) -> int:
         if room is None:
             raise DispatchError(
                 "this prefill service pins requests by bootstrap_room, and the request has "
                 "none: send prefill traffic through the router", 400, "bootstrap_room",
             )
         slot = room % self.num_slots
-        if not self.is_available(slot):
+        if not self._up[slot]:
             raise DispatchError(
                 f"bootstrap_room {room} maps to DP rank {slot}, which is "
                 f"{self.states[slot].value}", 503, "bootstrap_room",
             )
         return slot
 
-    def _least_loaded(self, num_tokens: int) -> int:
-        candidates = [i for i in range(self.num_slots) if self.is_available(i)]
-        if not candidates:
+    def _least_requests(self, num_tokens: int, room: int | None = None) -> int:
+        """argmin(requests), ties to the lowest slot (min keeps the first of equals)."""
+        if not self._available:
             raise DispatchError("no DP worker is available", 503)
-        if self.method == "total_requests":
-            slot = min(candidates, key=lambda i: (self.requests[i], i))
-        else:
-            slot = min(candidates, key=lambda i: (self.tokens[i], self.requests[i], i))
+        slot = min(self._available, key=self.requests.__getitem__)
         self.requests[slot] += 1
         self.tokens[slot] += num_tokens
+        return slot
+
+    def _least_tokens(self, num_tokens: int, room: int | None = None) -> int:
+        """argmin over (tokens, requests), ties to the lowest slot."""
+        tokens, requests = self.tokens, self.requests
+        slot = -1
+        best_t = best_r = 0
+        for i in self._available:  # ascending: a strict < keeps the lowest of equals
+            t = tokens[i]
+            if slot < 0 or t < best_t or (t == best_t and requests[i] < best_r):
+                slot, best_t, best_r = i, t, requests[i]
+        if slot < 0:
+            raise DispatchError("no DP worker is available", 503)
+        requests[slot] += 1
+        tokens[slot] += num_tokens
         return slot
 
     # ---- budget ------------------------------------------------------------------------
