@@ -87,9 +87,11 @@ def tiny_model_dir(request: pytest.FixtureRequest) -> Path:
 def pd_tcp(tiny_llama_dir):
     with PDDeployment(tiny_llama_dir, page_size=16, backend="tcp") as pd:
         yield pd
+        pd.assert_pools_whole()  # after every test that used it
 
 
 @pytest.fixture(scope="session")
 def pd_torch(tiny_qwen2_dir):
     with PDDeployment(tiny_qwen2_dir, page_size=1, backend="torch") as pd:
         yield pd
+        pd.assert_pools_whole()

@@ -36,6 +36,11 @@ class PDDeployment:
         for server in (self.colocated, self.decode, self.prefill):
             server.stop()
 
+    def assert_pools_whole(self):
+        for server in (self.prefill, self.decode):
+            stats = server.wait_pool_whole()
+            assert stats["num_free_pages"] == stats["num_total_pages"], (server.url, stats)
+
     def pd_fields(self, rooms):
         return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,
                 "bootstrap_room": rooms}

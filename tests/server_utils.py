@@ -125,11 +125,21 @@ class ServerProcess:
         assert status == 200, info
         return info["internal_states"][0]
 
+    def pool_stats(self) -> dict:
+        """Every scheduler's counters (free/total KV pages, queues) summed over the DP ranks."""
+        status, info = http_json(self.url + "/get_server_info")
+        assert status == 200, info
+        ranks = info["internal_states"]
+        summed = {key: sum(r[key] for r in ranks) for key in
+                  ("num_free_pages", "num_total_pages", "num_running_reqs", "num_waiting_reqs")}
+        return {**summed, "ranks": ranks}
+
     def wait_pool_whole(self, timeout: float = 10.0) -> dict:
-        """Waits until every KV page is free again (aborts are asynchronous)."""
+        """Waits until every KV page of every DP rank is free again (aborts are
+        asynchronous)."""
         deadline = time.monotonic() + timeout
         while True:
-            stats = self.stats()
+            stats = self.pool_stats()
             if stats["num_free_pages"] == stats["num_total_pages"] or time.monotonic() > deadline:
                 return stats
             time.sleep(0.05)

@@ -57,6 +57,19 @@ def _token_index(pool: PagedKVPool, runs: Sequence[PageRun], dst: bool) -> torch
     return torch.cat(parts).to(pool.k.device)
 
 
+def _scatter(pool: PagedKVPool, dst_pages: Sequence[int], payload: torch.Tensor) -> None:
+    """Copy the payload into the destination pages: one slice copy per contiguous run, layer
+    and kind (on CPU several times faster than `index_copy_` over page-sized rows)."""
+    ps = pool.page_size
+    offset = 0
+    for run in contiguous_runs(dst_pages, dst_pages):
+        tokens = run.length * ps
+        start = run.dst * ps
+        pool.k[:, start:start + tokens].copy_(payload[:, 0, offset:offset + tokens])
+        pool.v[:, start:start + tokens].copy_(payload[:, 1, offset:offset + tokens])
+        offset += tokens
+
+
 def _group(store: dist.Store, rank: int, device: torch.device,
            timeout: float) -> dist.ProcessGroup:
     if device.type == "cuda":
@@ -81,11 +94,12 @@ class TorchPairChannel:
     def send_transfer(self, pool: PagedKVPool, room: int, runs: Sequence[PageRun],
                       trailer: TransferTrailer) -> None:
         index = _token_index(pool, runs, dst=False)
-        payload = torch.stack([
-            torch.stack([pool.k[layer].index_select(0, index),
-                         pool.v[layer].index_select(0, index)])
-            for layer in range(pool.k.shape[0])
-        ])
+        # One gather per layer and kind straight into the payload (no intermediate copies).
+        payload = torch.empty((pool.k.shape[0], 2, len(index), *pool.k.shape[2:]),
+                              dtype=pool.k.dtype, device=pool.k.device)
+        for layer in range(pool.k.shape[0]):
+            torch.index_select(pool.k[layer], 0, index, out=payload[layer, 0])
+            torch.index_select(pool.v[layer], 0, index, out=payload[layer, 1])
         meta = torch.frombuffer(bytearray(msgspec.msgpack.encode(trailer)), dtype=torch.uint8)
         header = torch.tensor([room, len(index), len(meta)], dtype=torch.int64)
         for tensor in (header, payload, meta):
@@ -195,11 +209,7 @@ class TorchKVReceiver:
             record.state.advance(KVPoll.Transferring)
             record.busy = True
         try:
-            runs = contiguous_runs(record.dst_pages, record.dst_pages)
-            index = _token_index(pool, runs, dst=True)
-            for layer in range(pool.k.shape[0]):
-                pool.k[layer].index_copy_(0, index, payload[layer, 0])
-                pool.v[layer].index_copy_(0, index, payload[layer, 1])
+            _scatter(pool, record.dst_pages, payload)
         finally:
             with self._lock:
                 record.busy = False
