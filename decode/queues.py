@@ -178,7 +178,13 @@ class DecodeQueues:
             rank = entry.room % topology.num_dp_slots
             reg = topology.ranks.get(rank)
             if reg is None:
-                continue  # that rank is not registered (yet); the bootstrap timeout bounds this
+                # The topology is only served once every started rank registered: a missing
+                # one is a reserved slot or a dead rank, which would never answer.
+                deltas.append(self._fail(
+                    entry, f"phase bootstrap: prefill rank {rank} (bootstrap_room {entry.room} "
+                           f"% {topology.num_dp_slots} slots) at {peer.address} is not serving",
+                    503))
+                continue
             need = self.engine.pool.pages_for(len(entry.req.prompt_ids))
             running = len(self.engine.scheduler.running) + len(self.transfer)
             if (running >= self.engine.args.max_running_requests

@@ -255,3 +255,15 @@ def test_decode_retracts_and_resumes_before_new_preallocations(tiny_llama_dir):
         assert pair.pools_whole()
     finally:
         pair.close()
+
+
+def test_a_room_of_a_rank_that_is_not_serving_fails_fast(tiny_llama_dir):
+    pair = PDPair(tiny_llama_dir, prefill_slots=2)  # only rank 0 is in the topology
+    try:
+        pair.collect_decode(pair.d.add(pair.request("r", PROMPTS[0], greedy(2), room=3)))
+        pair.turn()
+        reason = pair.decode_finish["r"]
+        assert reason.status == 503 and "prefill rank 1" in reason.message
+        assert pair.pools_whole()
+    finally:
+        pair.close()
