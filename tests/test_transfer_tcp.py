@@ -104,7 +104,7 @@ def test_sender_dying_mid_transfer_fails_the_room_and_frees_its_pages():
     import socket as socket_mod
 
     from common.transfer.base import contiguous_runs
-    from common.transfer.tcp import TransferHeader, _recv_exact, _send_msg, pool_layout
+    from common.transfer.tcp import TransferHeader, _send_msg, pool_layout
 
     src, dst = pool(), pool()
     receiver = TcpKVReceiver(dst)
@@ -118,7 +118,6 @@ def test_sender_dying_mid_transfer_fails_the_room_and_frees_its_pages():
                                            page_size=layout.page_size,
                                            num_kv_heads=layout.num_kv_heads,
                                            head_dim=layout.head_dim, dtype=layout.dtype))
-            assert _recv_exact(sock, 1) == b"\1"
             sock.sendall(b"\0" * 100)
         assert wait(lambda: receiver.poll(9)) is KVPoll.Failed
         assert receiver.pages_quiescent(9)
@@ -130,7 +129,7 @@ def test_cancel_cuts_a_transfer_in_progress():
     import socket as socket_mod
 
     from common.transfer.base import contiguous_runs
-    from common.transfer.tcp import TransferHeader, _recv_exact, _send_msg, pool_layout
+    from common.transfer.tcp import TransferHeader, _send_msg, pool_layout
 
     src, dst = pool(), pool()
     receiver = TcpKVReceiver(dst)
@@ -144,8 +143,11 @@ def test_cancel_cuts_a_transfer_in_progress():
                                            page_size=layout.page_size,
                                            num_kv_heads=layout.num_kv_heads,
                                            head_dim=layout.head_dim, dtype=layout.dtype))
-            assert _recv_exact(sock, 1) == b"\1"
-            assert receiver.poll(3) is KVPoll.Transferring
+            sock.sendall(b"\0" * 100)  # part of the page: the receiver is mid-transfer
+            deadline = time.monotonic() + 5
+            while receiver.poll(3) is not KVPoll.Transferring:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             assert not receiver.pages_quiescent(3)
             receiver.cancel(3, "client disconnected")
             deadline = time.monotonic() + 5
@@ -172,4 +174,26 @@ def test_fake_backend_delivers_the_first_token_without_bytes():
         assert receiver.trailer(4).first_token == 5
         assert not dst.k.any()  # no KV byte moved
     finally:
+        receiver.close()
+
+
+def test_a_refused_transfer_leaves_the_connection_usable():
+    """A refused room's bytes are drained without touching any page, and the next transfer on
+    the same persistent connection still lands."""
+    src, dst = pool(), pool()
+    fill(src)
+    receiver = TcpKVReceiver(dst)
+    sender = TcpKVSender(src)
+    try:
+        refused = sender.send(receiver.endpoint, 1, [0, 1], [2, 3],
+                              TransferTrailer(first_token=1))
+        assert wait(lambda: refused.state) is KVPoll.Failed and "refused" in refused.reason
+        assert not dst.k.any()
+        receiver.expect(2, [5])
+        sent = sender.send(receiver.endpoint, 2, [4], [5], TransferTrailer(first_token=2))
+        assert wait(lambda: sent.state) is KVPoll.Success
+        assert torch.equal(page_data(src, 4)[0], page_data(dst, 5)[0])
+        assert len(sender._links) == 1  # one connection carried both
+    finally:
+        sender.close()
         receiver.close()

@@ -18,8 +18,9 @@ time), so a transfer of thousands of page slices costs a handful of syscalls and
 
 Wire format, repeated per transfer on one connection:
     u32 length + msgpack TransferHeader, the raw run bytes, u32 length + msgpack
-    TransferTrailer; the receiver answers one byte (1 ok, 0 refused) after the header (after a
-    refusal no bytes follow and the connection carries on) and again after the trailer.
+    TransferTrailer, sent back to back; the receiver answers one byte: 1 delivered, 0 refused
+    (an unexpected or cancelled room, a foreign layout: it read and dropped the bytes, no page
+    was touched, and the connection carries on).
 """
 
 from __future__ import annotations
@@ -118,6 +119,25 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
         if got == 0:
             raise ConnectionError("peer closed the connection mid-transfer")
         views = _advance(views, got)
+
+
+def _payload_bytes(header: TransferHeader) -> int:
+    """Bytes the sender streams after this header (its own layout, which may not be ours)."""
+    try:
+        itemsize = getattr(torch, header.dtype.removeprefix("torch.")).itemsize
+    except AttributeError:
+        raise ValueError(f"unknown dtype {header.dtype!r}") from None
+    page = header.page_size * header.num_kv_heads * header.head_dim * itemsize
+    return sum(r.length for r in header.runs) * page * header.num_layers * 2
+
+
+def _drain(sock: socket.socket, n: int) -> None:
+    scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+    while n:
+        got = sock.recv_into(scratch, min(n, len(scratch)))
+        if got == 0:
+            raise ConnectionError("peer closed the connection mid-transfer")
+        n -= got
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -246,13 +266,15 @@ class TcpKVReceiver:
                     return
 
     def _receive(self, conn: socket.socket, header: TransferHeader) -> bool:
-        """One transfer; True when the connection can carry the next one."""
+        """One transfer; True when the connection can carry the next one. The sender does not
+        wait for a go-ahead, so a refused transfer's bytes are read and dropped."""
         record = self._admit(header, conn)
         try:
             if record is None:
+                _drain(conn, _payload_bytes(header))
+                _recv_msg(conn, TransferTrailer)
                 conn.sendall(b"\0")
                 return True
-            conn.sendall(b"\1")
             _recv_views(conn, _run_views(self.pool, header.runs, dst=True))
             trailer = _recv_msg(conn, TransferTrailer)
             with self._lock:
@@ -375,13 +397,13 @@ class TcpKVSender:
         header = TransferHeader(room=room, runs=runs, num_layers=layout.num_layers,
                                 page_size=layout.page_size, num_kv_heads=layout.num_kv_heads,
                                 head_dim=layout.head_dim, dtype=layout.dtype)
+        # One round trip per transfer: header, bytes and trailer go out back to back, and the
+        # receiver answers once (1: delivered, 0: refused, its bytes dropped).
         _send_msg(sock, header)
-        if _recv_exact(sock, 1) != b"\1":
-            raise _Refused(f"the receiver refused bootstrap_room {room}")
         _send_views(sock, _run_views(self.pool, runs, dst=False))
         _send_msg(sock, trailer)
         if _recv_exact(sock, 1) != b"\1":
-            raise ConnectionError("the receiver did not acknowledge the transfer")
+            raise _Refused(f"the receiver refused bootstrap_room {room}")
 
 
 class _Refused(ConnectionError):
