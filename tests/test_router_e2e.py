@@ -4,11 +4,10 @@ colocated service's, on every route, streaming or not."""
 
 from __future__ import annotations
 
-import json
-
 import aiohttp
 import pytest
 
+from test_pd_service import post_stream
 from test_router_mocks import RouterProcess
 
 
@@ -37,17 +36,6 @@ async def session():
 async def post(session, url, body, headers=None):
     async with session.post(url, json=body, headers=headers) as resp:
         return resp.status, await resp.json(), resp.headers
-
-
-async def post_stream(session, url, body):
-    events = []
-    async with session.post(url, json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            line = line.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
-    return events
 
 
 def greedy(n):

@@ -20,6 +20,7 @@ never lets bytes reach pages of a room it has cancelled: once `cancel(room)` ret
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -106,6 +107,68 @@ class KVLayout:
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
                 raise ValueError(f"KV layout mismatch: {field} is {mine} here, {theirs} on the peer")
+
+
+@dataclass
+class ExpectedRoom:
+    """A receiver's record of one room: where its KV goes and how far it got."""
+
+    dst_pages: list[int]
+    state: TransferState
+    trailer: TransferTrailer | None = None
+    busy: bool = False  # bytes may be landing in the pages right now
+    handle: object | None = None  # what `cancel` interrupts while busy (tcp: the socket)
+
+
+class ExpectedRooms:
+    """The decode-side bookkeeping every receiver shares: rooms are expected with their
+    destination pages, delivered (trailer + Success) or cancelled, then forgotten. Backends
+    flip `busy` around the moment bytes land in the pages, under `self._lock`, and override
+    `_interrupt` to cut a delivery in progress when its room is cancelled."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._expected: dict[int, ExpectedRoom] = {}
+
+    def expect(self, room: int, dst_pages: Sequence[int]) -> TransferState:
+        with self._lock:
+            if room in self._expected:
+                raise ValueError(f"bootstrap_room {room} is already expected")
+            record = ExpectedRoom(list(dst_pages), TransferState())
+            record.state.advance(KVPoll.WaitingForInput)
+            self._expected[room] = record
+            return record.state
+
+    def poll(self, room: int) -> KVPoll:
+        record = self._expected.get(room)
+        return KVPoll.Failed if record is None else record.state.state
+
+    def trailer(self, room: int) -> TransferTrailer | None:
+        record = self._expected.get(room)
+        return None if record is None else record.trailer
+
+    def cancel(self, room: int, reason: str) -> None:
+        """Fail the room; a delivery still writing into its pages is interrupted, so the pages
+        are quiescent as soon as it notices (a refused late sender never writes)."""
+        with self._lock:
+            record = self._expected.get(room)
+            if record is None:
+                return
+            record.state.fail(reason)
+            if record.busy:
+                self._interrupt(record)
+
+    def pages_quiescent(self, room: int) -> bool:
+        """False while a delivery may still write into this room's pages."""
+        record = self._expected.get(room)
+        return record is None or not record.busy
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._expected.pop(room, None)
+
+    def _interrupt(self, record: ExpectedRoom) -> None:
+        pass
 
 
 class KVReceiver(Protocol):

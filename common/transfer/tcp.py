@@ -31,13 +31,13 @@ import socket
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 import msgspec
 import torch
 
 from common.engine.kv_pool import PagedKVPool
 from common.transfer.base import (
+    ExpectedRoom,
+    ExpectedRooms,
     KVLayout,
     KVPoll,
     PageRun,
@@ -172,72 +172,27 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
 
 
-@dataclass
-class _Expected:
-    dst_pages: frozenset[int]
-    state: TransferState
-    trailer: TransferTrailer | None = None
-    busy: bool = False  # a connection may still be writing into the pages
-    conn: socket.socket | None = None  # that connection, shut down by cancel()
-
-
-class TcpKVReceiver:
+class TcpKVReceiver(ExpectedRooms):
     def __init__(self, pool: PagedKVPool, host: str = "127.0.0.1", port: int = 0):
         if pool.k.device.type != "cpu":
             raise ValueError("the tcp backend receives into CPU pools; use the torch backend")
+        super().__init__()
         self.pool = pool
         self.layout = pool_layout(pool)
-        self._lock = threading.Lock()
-        self._expected: dict[int, _Expected] = {}
         self._listener = socket.create_server((host, port))
         self.endpoint = "%s:%d" % self._listener.getsockname()[:2]
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="kv-recv", daemon=True)
         self._thread.start()
 
-    # ---- decode-side API ---------------------------------------------------------------
     def endpoint_for(self, peer: str) -> str:
         return self.endpoint  # one listener serves every prefill rank
 
-    def expect(self, room: int, dst_pages: Sequence[int]) -> TransferState:
-        with self._lock:
-            if room in self._expected:
-                raise ValueError(f"bootstrap_room {room} is already expected")
-            record = _Expected(frozenset(dst_pages), TransferState())
-            record.state.advance(KVPoll.WaitingForInput)
-            self._expected[room] = record
-            return record.state
-
-    def poll(self, room: int) -> KVPoll:
-        record = self._expected.get(room)
-        return KVPoll.Failed if record is None else record.state.state
-
-    def trailer(self, room: int) -> TransferTrailer | None:
-        record = self._expected.get(room)
-        return None if record is None else record.trailer
-
-    def cancel(self, room: int, reason: str) -> None:
-        """Fail the room; a connection still writing into its pages is cut, so the pages are
-        quiescent as soon as its thread notices (a refused late sender never writes)."""
-        with self._lock:
-            record = self._expected.get(room)
-            if record is None:
-                return
-            record.state.fail(reason)
-            if record.busy and record.conn is not None:
-                try:
-                    record.conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def pages_quiescent(self, room: int) -> bool:
-        """False while a connection may still write into this room's pages."""
-        record = self._expected.get(room)
-        return record is None or not record.busy
-
-    def forget(self, room: int) -> None:
-        with self._lock:
-            self._expected.pop(room, None)
+    def _interrupt(self, record: ExpectedRoom) -> None:
+        try:
+            record.handle.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self._closed = True
@@ -292,9 +247,9 @@ class TcpKVReceiver:
             if record is not None:
                 with self._lock:
                     record.busy = False
-                    record.conn = None
+                    record.handle = None
 
-    def _admit(self, header: TransferHeader, conn: socket.socket) -> _Expected | None:
+    def _admit(self, header: TransferHeader, conn: socket.socket) -> ExpectedRoom | None:
         layout = KVLayout(header.num_layers, header.page_size, header.num_kv_heads,
                           header.head_dim, header.dtype)
         with self._lock:
@@ -304,13 +259,13 @@ class TcpKVReceiver:
             try:
                 self.layout.check_compatible(layout)
                 pages = {r.dst + i for r in header.runs for i in range(r.length)}
-                if not pages <= record.dst_pages:
+                if not pages <= set(record.dst_pages):
                     raise ValueError("the sender targets pages this room does not own")
             except ValueError as exc:
                 record.state.fail(str(exc))
                 return None
             record.busy = True
-            record.conn = conn
+            record.handle = conn
             record.state.advance(KVPoll.Transferring)
             return record
 

@@ -27,7 +27,6 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from common.engine.kv_pool import PagedKVPool
 from common.transfer.base import (
+    ExpectedRooms,
     KVPoll,
     PageRun,
     TransferState,
@@ -118,21 +118,12 @@ class TorchPairChannel:
         return room, payload, trailer
 
 
-@dataclass
-class _Expected:
-    dst_pages: list[int]
-    state: TransferState
-    trailer: TransferTrailer | None = None
-    busy: bool = False  # the pair thread is copying into the pages
-
-
-class TorchKVReceiver:
+class TorchKVReceiver(ExpectedRooms):
     def __init__(self, pool: PagedKVPool, host: str = "127.0.0.1", timeout: float = 300.0):
+        super().__init__()
         self.pool = pool
         self.host = host
         self.timeout = timeout
-        self._lock = threading.Lock()
-        self._expected: dict[int, _Expected] = {}
         self._pairs: dict[str, str] = {}  # prefill peer -> the store address it connects to
         self._closed = False
 
@@ -147,37 +138,6 @@ class TorchKVReceiver:
                 threading.Thread(target=self._serve_pair, args=(peer, store), daemon=True,
                                  name=f"kv-pair-{peer}").start()
             return endpoint
-
-    def expect(self, room: int, dst_pages: Sequence[int]) -> TransferState:
-        with self._lock:
-            if room in self._expected:
-                raise ValueError(f"bootstrap_room {room} is already expected")
-            record = _Expected(list(dst_pages), TransferState())
-            record.state.advance(KVPoll.WaitingForInput)
-            self._expected[room] = record
-            return record.state
-
-    def poll(self, room: int) -> KVPoll:
-        record = self._expected.get(room)
-        return KVPoll.Failed if record is None else record.state.state
-
-    def trailer(self, room: int) -> TransferTrailer | None:
-        record = self._expected.get(room)
-        return None if record is None else record.trailer
-
-    def cancel(self, room: int, reason: str) -> None:
-        with self._lock:
-            record = self._expected.get(room)
-            if record is not None:
-                record.state.fail(reason)
-
-    def pages_quiescent(self, room: int) -> bool:
-        record = self._expected.get(room)
-        return record is None or not record.busy
-
-    def forget(self, room: int) -> None:
-        with self._lock:
-            self._expected.pop(room, None)
 
     def close(self) -> None:
         self._closed = True
