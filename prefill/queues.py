@@ -10,9 +10,11 @@ Lifecycle of one request on a prefill rank:
     on_prefilled  INFLIGHT    the first token is sampled; the request leaves the batch with its
                               pages held, and the sender writes the pages plus the first token
                               (and its logprobs) into decode's pages.
-    tick()     ->  released   Success: pages freed, the client gets the first token. Failed:
-                              pages freed once the sender is done with them, decode is told
-                              (KVStatus), the client gets an error naming the phase.
+    tick()     ->  released   Success: pages freed, the client gets the first token. Failed
+                              (or timed out, or aborted): the client gets an error naming the
+                              phase and decode is told (KVStatus) at once, but the pages are
+                              freed only once the sender has let go of them
+                              (`TransferState.pages_released`).
 
 Checks that turn a mis-set deployment into a clear error instead of a hang: a request without
 `bootstrap_room`; a room whose `room % slots` is not this rank (the prefill controller is not
@@ -186,15 +188,16 @@ class PrefillQueues:
         deltas: list[TokenDelta] = []
         now = self.clock()
         for entry in list(self.inflight.values()):
-            state = entry.transfer.state
-            if state is KVPoll.Success:
-                deltas += self._release(entry, None)
-            elif state is KVPoll.Failed:
-                reason = f"KV transfer failed in phase transferring: {entry.transfer.reason}"
-                deltas += self._release(entry, reason)
+            transfer = entry.transfer
+            if transfer.pages_released:  # the sender is done with the pages
+                failure = None if transfer.state is KVPoll.Success else (
+                    f"KV transfer failed in phase transferring: {transfer.reason}")
+                deltas += self._release(entry, failure)
             elif now - entry.since > self.timeouts.transferring and not entry.client_gone:
-                entry.transfer.fail(f"timed out in phase transferring after "
-                                    f"{self.timeouts.transferring:g}s")
+                # Answer and tell decode now; the pages wait until the sender lets go.
+                deltas += self._fail(entry, f"timed out in phase transferring after "
+                                            f"{self.timeouts.transferring:g}s", 504,
+                                     tell_decode=True)
         for entry in list(self.bootstrap.values()):
             if now - entry.since > self.timeouts.bootstrap:
                 deltas += self._fail(entry, f"timed out in phase bootstrap after "

@@ -267,3 +267,32 @@ def test_a_room_of_a_rank_that_is_not_serving_fails_fast(tiny_llama_dir):
         assert pair.pools_whole()
     finally:
         pair.close()
+
+
+def test_prefill_transfer_timeout_answers_at_once_and_frees_when_the_sender_lets_go(pair):
+    from common.transfer.base import TransferState
+
+    held = []
+
+    class HoldingSender:  # a transfer that never ends by itself (a stalled peer)
+        def send(self, endpoint, room, src_pages, dst_pages, trailer):
+            state = TransferState()
+            state.advance(KVPoll.Transferring)
+            held.append(state)
+            return state
+
+    pair.p.sender = HoldingSender()
+    pair.submit("r", PROMPTS[1], greedy(4))
+    for _ in range(4):
+        pair.turn()
+    assert held and pair.p.inflight
+    pair.clock.now += 6
+    pair.turn()
+    reason = pair.prefill_finish["r"]
+    assert reason.status == 504 and "phase transferring" in reason.message
+    assert pair.prefill.pool.allocator.num_used_pages > 0  # the sender may still read them
+    held[0].pages_released = True
+    pair.turn()
+    pair.turn()  # decode failed too (its own timeout or prefill's word) and released its pages
+    assert pair.decode_finish["r"].type == "abort"
+    assert pair.pools_whole()

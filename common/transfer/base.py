@@ -39,11 +39,17 @@ class KVPoll(enum.IntEnum):
 
 
 class TransferState:
-    """A monotonic KVPoll holder: states only move forward; Failed is sticky."""
+    """A monotonic KVPoll holder: states only move forward; Failed is sticky.
+
+    On the sending side, `fail` may also come from the owner (a timeout, an abort) while the
+    backend is still reading the source pages; `pages_released` is what says the backend is
+    done with them (set once, by the backend, after Success or Failed), and only then may the
+    pages be freed."""
 
     def __init__(self) -> None:
         self.state = KVPoll.Bootstrapping
         self.reason: str | None = None
+        self.pages_released = False
 
     def advance(self, state: KVPoll) -> None:
         if self.state is KVPoll.Failed or self.state is KVPoll.Success:

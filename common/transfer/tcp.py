@@ -288,6 +288,9 @@ class _Link:
             if job is None:
                 break
             room, runs, trailer, state = job
+            if state.state is KVPoll.Failed:  # given up before its turn came
+                state.pages_released = True
+                continue
             try:
                 if self.sock is None:
                     host, _, port = self.endpoint.rpartition(":")
@@ -301,6 +304,8 @@ class _Link:
             except (OSError, ConnectionError, ValueError) as exc:
                 state.fail(f"sending KV for room {room} to {self.endpoint} failed: {exc}")
                 self._close()
+            finally:
+                state.pages_released = True
         self._close()
 
     def _close(self) -> None:

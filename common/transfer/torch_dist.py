@@ -198,6 +198,9 @@ class _PairSender:
             return
         while True:
             room, runs, trailer, state = self.jobs.get()
+            if state.state is KVPoll.Failed:  # given up before its turn came
+                state.pages_released = True
+                continue
             try:
                 channel.send_transfer(pool, room, runs, trailer)
                 state.advance(KVPoll.Success)
@@ -205,6 +208,8 @@ class _PairSender:
                 state.fail(f"sending KV for room {room} to {self.endpoint} failed: {exc}")
                 self._fail_all(f"the KV pair at {self.endpoint} failed: {exc}")
                 return
+            finally:
+                state.pages_released = True
 
     def _fail_all(self, reason: str) -> None:
         self.owner._drop(self.endpoint, self)
@@ -214,6 +219,7 @@ class _PairSender:
             except queue.Empty:
                 return
             state.fail(reason)
+            state.pages_released = True
 
 
 class TorchKVSender:
