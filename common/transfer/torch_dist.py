@@ -14,10 +14,11 @@ might have to abandon:
     payload  [layers, 2 (K, V), num_tokens, kv_heads, head_dim], gathered from the source pages
     trailer  uint8, a msgpack `TransferTrailer` (first token, logprob, top logprobs)
 
-Decode's pair thread receives the header, then the payload into a staging buffer; only if the
-room is still expected (not cancelled) does it copy the buffer into the room's pages, under
-the lock that `cancel` takes, so a late or unwanted transfer is drained and dropped without
-touching any page. A pair whose group fails (peer died) is dropped and rebuilt on demand.
+Decode's pair thread receives the header (the room is now Transferring), then the payload into
+a staging buffer; only if the room is still expected (not cancelled) does it copy the buffer
+into the room's pages, under the lock that `cancel` takes, so a late or unwanted transfer is
+drained and dropped without touching any page. A pair whose group fails (peer died) fails the
+room it was receiving, is dropped, and is rebuilt on demand.
 """
 
 from __future__ import annotations
@@ -105,17 +106,22 @@ class TorchPairChannel:
         for tensor in (header, payload, meta):
             self.group.send([tensor.to(self.device)], self.peer, TAG).wait()
 
-    def recv_transfer(self, pool: PagedKVPool) -> tuple[int, torch.Tensor, TransferTrailer]:
+    def recv_header(self) -> tuple[int, int, int]:
+        """(room, num_tokens, trailer bytes) of the next transfer on this pair."""
         header = torch.empty(3, dtype=torch.int64, device=self.device)
         self.group.recv([header], self.peer, TAG).wait()
         room, num_tokens, trailer_len = header.tolist()
+        return room, num_tokens, trailer_len
+
+    def recv_body(self, pool: PagedKVPool, num_tokens: int,
+                  trailer_len: int) -> tuple[torch.Tensor, TransferTrailer]:
         payload = torch.empty((pool.k.shape[0], 2, num_tokens, *pool.k.shape[2:]),
                               dtype=pool.k.dtype, device=self.device)
         self.group.recv([payload], self.peer, TAG).wait()
         meta = torch.empty(trailer_len, dtype=torch.uint8, device=self.device)
         self.group.recv([meta], self.peer, TAG).wait()
         trailer = msgspec.msgpack.decode(meta.cpu().numpy().tobytes(), type=TransferTrailer)
-        return room, payload, trailer
+        return payload, trailer
 
 
 class TorchKVReceiver(ExpectedRooms):
@@ -143,33 +149,52 @@ class TorchKVReceiver(ExpectedRooms):
         self._closed = True
 
     def _serve_pair(self, peer: str, store: dist.Store) -> None:
+        room = None
         try:
             channel = TorchPairChannel("", 0, RECEIVER, self.pool.k.device, self.timeout,
                                        store=store)
             while not self._closed:
-                room, payload, trailer = channel.recv_transfer(self.pool)
+                room, num_tokens, trailer_len = channel.recv_header()
+                self._start(room, num_tokens)
+                payload, trailer = channel.recv_body(self.pool, num_tokens, trailer_len)
                 self._deliver(room, payload, trailer)
+                room = None
         except RuntimeError as exc:
             logger.warning("KV pair with %s closed: %s", peer, exc)
+            if room is not None:
+                self._fail_room(room, f"the KV pair with prefill {peer} broke mid-transfer: "
+                                      f"{exc}")
         finally:
             with self._lock:
                 if self._pairs.get(peer) is not None:
                     del self._pairs[peer]
 
-    def _deliver(self, room: int, payload: torch.Tensor, trailer: TransferTrailer) -> None:
-        pool = self.pool
+    def _start(self, room: int, num_tokens: int) -> None:
+        """The header arrived: the room's KV is on its way (into a staging buffer)."""
         with self._lock:
             record = self._expected.get(room)
             if record is None or record.state.state is not KVPoll.WaitingForInput:
-                return  # cancelled or unknown: the bytes are dropped, no page is touched
-            if payload.shape[2] != len(record.dst_pages) * pool.page_size:
-                record.state.fail(f"the sender sent {payload.shape[2]} tokens of KV for "
+                return  # cancelled or unknown: the bytes will be dropped
+            if num_tokens != len(record.dst_pages) * self.pool.page_size:
+                record.state.fail(f"the sender sent {num_tokens} tokens of KV for "
                                   f"{len(record.dst_pages)} pages")
                 return
             record.state.advance(KVPoll.Transferring)
+
+    def _fail_room(self, room: int, reason: str) -> None:
+        with self._lock:
+            record = self._expected.get(room)
+            if record is not None:
+                record.state.fail(reason)
+
+    def _deliver(self, room: int, payload: torch.Tensor, trailer: TransferTrailer) -> None:
+        with self._lock:
+            record = self._expected.get(room)
+            if record is None or record.state.state is not KVPoll.Transferring:
+                return  # cancelled, refused or unknown: dropped, no page is touched
             record.busy = True
         try:
-            _scatter(pool, record.dst_pages, payload)
+            _scatter(self.pool, record.dst_pages, payload)
         finally:
             with self._lock:
                 record.busy = False
