@@ -34,7 +34,7 @@ from common.messages.detokenizer_input import TokenDelta
 from common.messages.kv_bootstrap import KVAbort, KVRequest, KVStatus
 from common.messages.sampling import FinishReason, TopLogprobs
 from common.messages.scheduler_input import GenerateRequest
-from common.transfer.base import KVPoll, KVReceiver
+from common.transfer.base import KVPoll, KVReceiver, TransferState
 from decode.prefill_directory import PeerState, PrefillDirectory
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class _Entry:
     prefill_rank: int = -1
     transfer_started: float | None = None
     pages: list[int] = field(default_factory=list)
+    transfer: TransferState | None = None
 
 
 class DecodeQueues:
@@ -134,8 +135,8 @@ class DecodeQueues:
             if state is KVPoll.Success:
                 deltas += self._adopt(entry)
             elif state is KVPoll.Failed:
-                deltas.append(self._fail(entry, "KV transfer failed in phase transferring",
-                                         502))
+                deltas.append(self._fail(entry, f"KV transfer failed in phase transferring: "
+                                                f"{entry.transfer.reason}", 502))
             elif state is KVPoll.Transferring:
                 if entry.transfer_started is None:
                     entry.transfer_started = now
@@ -194,7 +195,7 @@ class DecodeQueues:
             entry.pages = self.allocator.alloc(need)
             entry.prefill_rank, entry.peer = rank, reg.control_endpoint
             self.prealloc.remove(entry)
-            self.receiver.expect(entry.room, entry.pages)
+            entry.transfer = self.receiver.expect(entry.room, entry.pages)
             sent = self.send_control(reg.control_endpoint, KVRequest(
                 room=entry.room,
                 decode_rank=self.engine.dp_rank,
