@@ -172,6 +172,9 @@ async def test_loads_show_the_pd_queues(pd_tcp, session):
     assert loads["aggregate"]["num_waiting_reqs"] == 1
     rank = room % 2
     assert loads["loads"][rank]["num_bootstrap_reqs"] == 1
+    async with session.get(pd.prefill.url + "/metrics") as resp:
+        metrics = await resp.text()
+    assert f'pdserve_num_bootstrap_reqs{{dp_rank="{rank}"}} 1.0' in metrics
     on_decode = asyncio.create_task(post(session, pd.decode.url + "/generate",
                                          {**body, "rid": "d1"}))
     (ps, _), (ds, dec) = await asyncio.gather(on_prefill, on_decode)

@@ -23,6 +23,11 @@ SNAPSHOT_GAUGES = (
     ("num_active_tokens", "num_total_tokens minus KV still in flight"),
     ("max_total_num_tokens", "KV pool capacity in tokens"),
     ("token_usage", "KV usage: used / capacity"),
+    ("num_bootstrap_reqs", "PD prefill: requests waiting for decode's page indices"),
+    ("num_inflight_reqs", "PD prefill: requests whose KV is being sent (pages held)"),
+    ("num_prealloc_reqs", "PD decode: requests waiting for the prefill topology or pages"),
+    ("num_transfer_reqs", "PD decode: requests whose KV is arriving"),
+    ("num_retracted_reqs", "PD decode: requests retracted for lack of KV, resumed first"),
 )
 
 
