@@ -5,17 +5,22 @@
     python benchmarks/bench_dispatch.py --skip-controller     # balance simulation only
 
 Part 1, the real controller process (SPEC section 2). A "front end" (this process) PUSHes
-msgpack-encoded `GenerateRequest`s (random `bootstrap_room` for follow_bootstrap_room) to the
-real `run_controller_process` (the launcher's target: `Dispatcher` + `ControllerLoop`), one per
-method, started with multiprocessing spawn, 4 ranks, a real shared-memory `LoadBoard`. The
-"schedulers" are 4 PULL sockets in one receiver process that take every message at once and
-timestamp it; the same process binds the front end's `frontend_input` (it drains and counts
-the controllers' `DispatchReport`s) and publishes a fresh snapshot per rank to the board every
-5 ms, so the load-aware methods really refresh from it. Four baseline forwarders wired the
-same way split the controller's cost: recv -> send only (the floor of any Python forwarder);
-+ the controller's routing-only decode; + a DispatchReport per request right after the forward
-(the controller's reporting before it was deferred); a zmq.Poller wait and NOBLOCK drain with
-the routing decode (the controller's loop when it owns the multi-node load relay).
+exactly what `FrontEnd(via_controller=True)` sends: `scheduler_input.controller_frames`, i.e.
+[routing header, GenerateRequest] multipart messages (random `bootstrap_room` for
+follow_bootstrap_room), to the real `run_controller_process` (the launcher's target:
+`Dispatcher` + `ControllerLoop`), one per method, started with multiprocessing spawn, 4 ranks, a
+real shared-memory `LoadBoard`. The "schedulers" are 4 PULL sockets in one receiver process that
+take every message at once and timestamp it; the same process binds the front end's
+`frontend_input` (it drains and counts the controllers' `DispatchReport`s) and publishes a fresh
+snapshot per rank to the board every 5 ms, so the load-aware methods really refresh from it.
+Four baseline forwarders wired the same way split the controller's cost: recv -> send of
+single-frame requests (the floor of any Python forwarder); + a routing-only decode of the whole
+request (`input_ids` as msgspec.Raw: the controller's work before the header frame); the
+[header, request] frames with the header decoded and the request frame forwarded (the
+controller's work minus the Dispatcher); the same behind a zmq.Poller wait and NOBLOCK drain
+(the controller's loop when it owns the multi-node load relay). `--reference REF` also runs the
+controller of commit REF (its `common/` from `git archive`, in a subprocess), fed single-frame
+requests unless that commit has `controller_frames`: the before/after in one run.
 
 * Throughput: N pre-encoded requests sent as fast as the PUSH socket takes them; dispatches/s
   = N / (last arrival at any scheduler socket - first send). Best and median of `--repeats`,
@@ -132,20 +137,61 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def make_request_bytes(
+def make_requests(
     n: int, method: str, prompt_tokens: int, rng: random.Random, prefix: str = "r"
-) -> list[bytes]:
-    """Encoded GenerateRequests as a front end sends them (fresh rid, random prompt ids)."""
+) -> list[GenerateRequest]:
+    """GenerateRequests as the HTTP layer builds them (fresh rid, random prompt ids)."""
     sampling = SamplingParams(max_new_tokens=16)
     ids = [rng.randrange(32_000) for _ in range(prompt_tokens)]
     out = []
     for i in range(n):
         room = rng.getrandbits(63) if method == "follow_bootstrap_room" else None
-        req = GenerateRequest(
+        out.append(GenerateRequest(
             rid=f"{prefix}{i:08x}", input_ids=ids, sampling=sampling, bootstrap_room=room
-        )
-        out.append(scheduler_input.encoder.encode(req))
+        ))
     return out
+
+
+# How requests are framed: "controller" = what FrontEnd(via_controller=True) sends, built by
+# the same function; "single" = one frame per request (dp_size 1's direct path to a scheduler,
+# and the controller's input before the routing header frame).
+FRAMINGS = ("controller", "single")
+
+
+def frame_requests(reqs: list[GenerateRequest], framing: str) -> list[list[bytes]]:
+    """One multipart message (a list of frames) per request."""
+    if framing == "controller":
+        return [scheduler_input.controller_frames([r]) for r in reqs]
+    return [[scheduler_input.encoder.encode(r)] for r in reqs]
+
+
+def make_messages(n: int, method: str, prompt_tokens: int, rng: random.Random,
+                  prefix: str = "r", framing: str = "controller") -> list[list[bytes]]:
+    return frame_requests(make_requests(n, method, prompt_tokens, rng, prefix), framing)
+
+
+class WholeRequestRoute(msgspec.Struct, tag="generate", kw_only=True, frozen=True):
+    """The previous controller's view of a single-frame request: the routing fields, the prompt
+    left encoded (msgspec still walks it to skip it) and only its length read."""
+
+    rid: str
+    input_ids: msgspec.Raw
+    routed_dp_rank: int | None = None
+    bootstrap_room: int | None = None
+
+
+whole_request_route_decoder = msgspec.msgpack.Decoder(WholeRequestRoute)
+
+
+def encoded_array_len(raw: msgspec.Raw) -> int:
+    """Element count of an encoded msgpack array, read from its header."""
+    data = memoryview(raw)
+    head = data[0]
+    if 0x90 <= head <= 0x9F:
+        return head & 0x0F
+    if head == 0xDC:
+        return int.from_bytes(data[1:3], "big")
+    return int.from_bytes(data[1:5], "big")
 
 
 # ------------------------------------------------------------- part 1: the receiver process
@@ -280,21 +326,21 @@ class MethodResult:
 # Python forwarders that do part of the controller's work, to split its cost (same wiring).
 RELAYS = {
     "plain": "baseline: relay, recv -> send",
-    "route": "baseline: relay + routing decode",
-    "report": "baseline: relay + routing decode + report per request",
-    "poll": "baseline: relay + Poller/NOBLOCK drain + routing decode",
+    "whole": "baseline: relay + routing decode of the whole request",
+    "header": "baseline: relay, [header, request] + header decode",
+    "poll": "baseline: relay, [header, request] + header decode, Poller/NOBLOCK",
 }
+RELAY_FRAMING = {"plain": "single", "whole": "single", "header": "controller",
+                 "poll": "controller"}
 
 
 def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, ready) -> None:
-    """Forward every message to the next rank. "plain": blocking recv -> send, nothing decoded
-    (the floor of any Python forwarder); "route": + the controller's routing-only decode of
-    each request; "report": + a DispatchReport per request right after its forward (what the
-    controller did before it deferred its reports); "poll": block on a zmq.Poller, then drain
-    with NOBLOCK, with the routing decode (the controller's loop when it owns the multi-node
-    load relay)."""
-    from common.messages import frontend_input
-
+    """Forward every request to the next rank. "plain": single-frame requests, blocking
+    recv -> send, nothing decoded (the floor of any Python forwarder); "whole": + a routing-only
+    decode of the whole request (the controller's work before the header frame); "header":
+    [header, request] messages, the header decoded, the request frame forwarded zero-copy (the
+    controller's work without the Dispatcher); "poll": the same behind a zmq.Poller wait and a
+    NOBLOCK drain (the controller's loop when it owns the multi-node load relay)."""
     die_with_parent()
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -310,45 +356,119 @@ def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, 
     ready.close()
     i, n = 0, len(outs)
     recv = pull.recv
-    decode = scheduler_input.controller_decoder.decode
     if kind == "plain":
         while True:
             outs[i].send(recv())
             i = (i + 1) % n
-    if kind == "route":
+    if kind == "whole":
+        decode = whole_request_route_decoder.decode
         while True:
             raw = recv()
-            decode(raw)
+            encoded_array_len(decode(raw).input_ids)
             outs[i].send(raw)
             i = (i + 1) % n
-    if kind == "report":
-        encode = frontend_input.encoder.encode
+    route = scheduler_input.route_decoder.decode
+    if kind == "header":  # as the controller: frames, `.more` instead of getsockopt
         while True:
-            raw = recv()
-            req = decode(raw)
-            outs[i].send(raw)
-            to_frontend.send(encode(frontend_input.DispatchReport(rids=[req.rid], ranks=[i])))
-            i = (i + 1) % n
+            head = recv(copy=False)
+            if head.more:
+                body = recv(copy=False)
+                if not body.more:
+                    route(head)
+                    outs[i].send(body, copy=False)
+                    i = (i + 1) % n
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     while True:
         poller.poll()
         while True:
             try:
-                raw = pull.recv(zmq.NOBLOCK)
+                head = recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            decode(raw)
-            outs[i].send(raw)
+            frames = [head]
+            while frames[-1].more:
+                frames.append(recv(copy=False))
+            route(head)
+            outs[i].send(frames[1], copy=False)
             i = (i + 1) % n
+
+
+REFERENCE_CHILD = """
+import json, sys
+from multiprocessing.connection import Connection
+cfg = json.loads(sys.argv[1])
+import common
+assert common.__file__.startswith(cfg["root"]), common.__file__
+from common.config import ServerArgs
+from common.dp.controller import run_controller_process
+from common.server.ipc import IpcPaths
+args = ServerArgs(dp_size=cfg["ranks"], load_balance_method=cfg["method"],
+                  load_refresh_interval=cfg["refresh"], log_level="warning")
+run_controller_process(args, cfg["method"], IpcPaths(**cfg["ipc"]), cfg["board_path"],
+                       cfg["board_id"], Connection(cfg["fd"]))
+"""
+
+
+@dataclass
+class Reference:
+    """The controller of another commit: its `common/` extracted into `root`."""
+
+    ref: str
+    sha: str
+    root: str
+    framing: str
+
+
+def extract_reference(ref: str, tmpdir: str) -> Reference:
+    import io
+    import subprocess
+    import tarfile
+
+    sha = subprocess.run(["git", "rev-parse", "--short", ref], cwd=REPO_ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    root = tempfile.mkdtemp(prefix="reference-", dir=tmpdir)
+    archive = subprocess.run(["git", "archive", sha, "common"], cwd=REPO_ROOT, check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(root)
+    src = (Path(root) / "common" / "messages" / "scheduler_input.py").read_text()
+    return Reference(ref, sha, root, "controller" if "def controller_frames" in src else "single")
+
+
+class ChildProcess:
+    """A subprocess.Popen with the multiprocessing.Process methods the Rig uses."""
+
+    def __init__(self, popen):
+        self.popen = popen
+        self.pid = popen.pid
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        import subprocess
+
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
 
 
 @dataclass
 class Endpoint:
     name: str
     tag: str  # first character of the rids sent to it (reports are counted per tag)
-    proc: multiprocessing.process.BaseProcess
+    proc: multiprocessing.process.BaseProcess | ChildProcess
     push: zmq.Socket
+    framing: str = "controller"  # how its front end frames requests (FRAMINGS)
+    method: str = "round_robin"  # the requests it gets (random rooms for follow_bootstrap_room)
 
 
 class Rig:
@@ -425,7 +545,36 @@ class Rig:
         ready = launch.decoder.decode(self._wait_started(proc, reader, "the controller"))
         if not isinstance(ready, launch.ProcessReady):
             raise RuntimeError(f"controller failed to start: {ready}")
-        return self._add(method, tag, proc, ipc.controller_input)
+        return self._add(method, tag, proc, ipc.controller_input, method=method)
+
+    def start_reference(self, ref: Reference, method: str, tag: str) -> Endpoint:
+        """The controller of another commit, in a subprocess importing that commit's code."""
+        import dataclasses
+        import json
+        import subprocess
+
+        ipc = IpcPaths(
+            folder=self.folder,
+            controller_input=f"ipc://{self.folder}/reference-{method}",
+            detokenizer_input=self.base.detokenizer_input,
+            frontend_input=self.base.frontend_input,
+        )
+        reader, writer = self.mp.Pipe(duplex=False)
+        cfg = {"root": ref.root, "ranks": NUM_RANKS, "method": method,
+               "refresh": REFRESH_INTERVAL_S, "ipc": dataclasses.asdict(ipc),
+               "board_path": self.board.path, "board_id": self.board.board_id,
+               "fd": writer.fileno()}
+        env = {**os.environ, "PYTHONPATH": ref.root}
+        proc = ChildProcess(subprocess.Popen(
+            [sys.executable, "-c", REFERENCE_CHILD, json.dumps(cfg)], cwd=ref.root, env=env,
+            pass_fds=(writer.fileno(),),
+        ))
+        writer.close()
+        ready = launch.decoder.decode(self._wait_started(proc, reader, "the reference"))
+        if not isinstance(ready, launch.ProcessReady):
+            raise RuntimeError(f"reference controller failed to start: {ready}")
+        return self._add(f"{method} @ {ref.sha}", tag, proc, ipc.controller_input,
+                         framing=ref.framing, method=method)
 
     def start_relay(self, kind: str, tag: str) -> Endpoint:
         addr = f"ipc://{self.folder}/relay-{kind}"
@@ -437,32 +586,33 @@ class Rig:
         proc.start()
         writer.close()
         self._wait_started(proc, reader, "the relay")
-        return self._add(RELAYS[kind], tag, proc, addr)
+        return self._add(RELAYS[kind], tag, proc, addr, framing=RELAY_FRAMING[kind])
 
-    def _add(self, name: str, tag: str, proc, addr: str) -> Endpoint:
+    def _add(self, name: str, tag: str, proc, addr: str, framing: str = "controller",
+             method: str = "round_robin") -> Endpoint:
         push = self.ctx.socket(zmq.PUSH)
         push.connect(addr)
-        ep = Endpoint(name, tag, proc, push)
+        ep = Endpoint(name, tag, proc, push, framing, method)
         self.endpoints.append(ep)
         return ep
 
     # ---- measurements -----------------------------------------------------------------------
-    def throughput_once(self, ep: Endpoint, msgs: list[bytes]
+    def throughput_once(self, ep: Endpoint, msgs: list[list[bytes]]
                         ) -> tuple[float, float, float, list[int]]:
         self.control.send(self.enc.encode(["count", len(msgs)]))
         self._expect("ready")
         cpu0 = proc_cpu_s(ep.proc.pid)
-        push = ep.push
+        send = ep.push.send_multipart
         t0 = now_ns()
-        for raw in msgs:
-            push.send(raw)
+        for frames in msgs:
+            send(frames)
         t_sent = now_ns()
         _, first, last, counts = self._expect("counted", timeout=120)
         cpu = proc_cpu_s(ep.proc.pid) - cpu0
         return (last - t0) / 1e9, (t_sent - t0) / 1e9, cpu, counts
 
-    def latency(self, eps: list[Endpoint], via_msgs: dict[str, list[bytes]],
-                direct_msgs: list[bytes], gap_s: float, block: int = 100
+    def latency(self, eps: list[Endpoint], via_msgs: dict[str, list[list[bytes]]],
+                direct_msgs: list[list[bytes]], gap_s: float, block: int = 100
                 ) -> dict[str, LatencyResult]:
         """Blocks of `block` requests per endpoint, the endpoints taking turns (so slow drift
         of the machine's load hits them all alike, while each is measured warm, as under a
@@ -481,10 +631,10 @@ class Rig:
                 for i in range(start, min(n, start + block)):
                     order = ((ep.push, via_msgs[ep.name][i], res.via_us),
                              (self.direct, next(direct_iter), res.direct_us))
-                    for sock, raw, sink in (order[::-1] if i % 2 else order):
+                    for sock, frames, sink in (order[::-1] if i % 2 else order):
                         time.sleep(gap_s)
                         t = now_ns()
-                        sock.send(raw)
+                        sock.send_multipart(frames)
                         arrival, _rank = ECHO.unpack(self._recv(10))
                         sink.append((arrival - t) / 1e3)
         self._command("idle")
@@ -521,17 +671,19 @@ def latency_block(ns: argparse.Namespace) -> int:
     return max(10, min(100, ns.latency_samples // 10))
 
 
-def bench_controllers(rig: Rig, ns: argparse.Namespace, rng: random.Random, log
-                      ) -> list[MethodResult]:
+def bench_controllers(rig: Rig, ns: argparse.Namespace, rng: random.Random, log,
+                      reference: Reference | None = None) -> list[MethodResult]:
     eps = [rig.start_controller(m, tag) for m, tag in zip(METHODS, "abcd")]
+    if reference is not None:
+        eps += [rig.start_reference(reference, m, tag) for m, tag in zip(METHODS, "efgh")]
     eps += [rig.start_relay(kind, tag) for kind, tag in zip(RELAYS, "wxyz")]
+    controllers = [ep for ep in eps if not ep.name.startswith("baseline")]
     sent = {ep.tag: 0 for ep in eps}
 
     def requests(ep: Endpoint, n: int, kind: str, tokens: int = ns.prompt_tokens
-                 ) -> list[bytes]:
-        method = ep.name if ep.name in METHODS else "round_robin"
+                 ) -> list[list[bytes]]:
         sent[ep.tag] += n
-        return make_request_bytes(n, method, tokens, rng, prefix=f"{ep.tag}{kind}")
+        return make_messages(n, ep.method, tokens, rng, f"{ep.tag}{kind}", ep.framing)
 
     def summarize(r: list[tuple[float, float, float, list[int]]], n: int) -> ThroughputResult:
         return ThroughputResult(
@@ -554,7 +706,7 @@ def bench_controllers(rig: Rig, ns: argparse.Namespace, rng: random.Random, log
     log("throughput done")
     n = ns.latency_samples
     via = {ep.name: requests(ep, n, "l") for ep in eps}
-    direct = make_request_bytes(n * len(eps), "round_robin", ns.prompt_tokens, rng, prefix="_d")
+    direct = make_messages(n * len(eps), "round_robin", ns.prompt_tokens, rng, "_d", "single")
     block = latency_block(ns)
     for ep in eps:  # warm-up, not kept
         rig.latency([ep], {ep.name: requests(ep, block, "lw")}, direct[:block], 0.0)
@@ -564,7 +716,7 @@ def bench_controllers(rig: Rig, ns: argparse.Namespace, rng: random.Random, log
     deadline = time.monotonic() + 10
     while True:
         rids, failed, _ = rig.report_stats()
-        complete = {ep.tag: rids.get(ep.tag, 0) == sent[ep.tag] for ep in eps[:len(METHODS)]}
+        complete = {ep.tag: rids.get(ep.tag, 0) == sent[ep.tag] for ep in controllers}
         if (all(complete.values()) and failed == 0) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -572,7 +724,7 @@ def bench_controllers(rig: Rig, ns: argparse.Namespace, rng: random.Random, log
     for ep in eps:
         tp = summarize(runs[ep.name], ns.requests)
         long_tp = summarize(long_runs[ep.name], ns.long_requests) if long_runs[ep.name] else None
-        ok = complete[ep.tag] and failed == 0 if ep.name in METHODS else None
+        ok = complete[ep.tag] and failed == 0 if ep in controllers else None
         out.append(MethodResult(ep.name, tp, latencies[ep.name], ok, long_tp))
         log(f"{ep.name}: best {tp.best:,.0f}/s, p50 "
             f"{percentile(latencies[ep.name].via_us, 50):.0f} us")
@@ -629,21 +781,22 @@ class InProcessController:
         self.push.connect(self.ipc.controller_input)
         loop = self.loop
         handle_control = loop.handle_control
+        self.stop = scheduler_input.encoder.encode(scheduler_input.StatsRequest(request_id=STOP_ID))
+        stop = self.stop
 
-        def control_or_stop(msg) -> None:  # the sentinel queued after the requests ends a run
-            if isinstance(msg, scheduler_input.StatsRequest) and msg.request_id == STOP_ID:
+        def control_or_stop(raw) -> None:  # the sentinel queued after the requests ends a run
+            if raw == stop:
                 raise _Done
-            handle_control(msg)
+            handle_control(raw)
 
         loop.handle_control = control_or_stop
-        self.stop = scheduler_input.encoder.encode(scheduler_input.StatsRequest(request_id=STOP_ID))
 
-    def run(self, msgs: list[bytes], profiler: cProfile.Profile | None = None
+    def run(self, msgs: list[list[bytes]], profiler: cProfile.Profile | None = None
             ) -> tuple[float, float]:
         """Queue msgs, then run the real run_forever until all are dispatched: thread CPU s,
         wall s."""
-        for raw in msgs:
-            self.push.send(raw)
+        for frames in msgs:
+            self.push.send_multipart(frames)
         self.push.send(self.stop)
         time.sleep(0.05 + len(msgs) * 2e-6)  # let the I/O thread move them into the queue
         gc.collect()  # this benchmark's garbage, not the controller's
@@ -671,20 +824,15 @@ class InProcessController:
         self.ctx.destroy(linger=0)
 
 
-def _per_call_us(fn, n: int) -> float:
-    t0 = time.perf_counter()
-    fn(n)
-    return (time.perf_counter() - t0) / n * 1e6
-
-
-def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, board: LoadBoard
-                    ) -> list[tuple[str, float, str]]:
+def component_costs(reqs: list[GenerateRequest], long_reqs: list[GenerateRequest], tmpdir: str,
+                    board: LoadBoard) -> list[tuple[str, float, str]]:
     """Each step of one dispatch, timed alone, best of 3."""
-    n = len(msgs)
-    prompt = len(scheduler_input.decoder.decode(msgs[0]).input_ids)
-    long_prompt = len(scheduler_input.decoder.decode(long_msgs[0]).input_ids)
-    long_decoded = [scheduler_input.decoder.decode(m) for m in long_msgs]
-    decoded = [scheduler_input.decoder.decode(m) for m in msgs]
+    n, long_n = len(reqs), len(long_reqs)
+    prompt, long_prompt = len(reqs[0].input_ids), len(long_reqs[0].input_ids)
+    enc = scheduler_input.encoder.encode
+    bodies, long_bodies = [enc(r) for r in reqs], [enc(r) for r in long_reqs]
+    frames = frame_requests(reqs, "controller")
+    long_frames = frame_requests(long_reqs, "controller")
     ctx = zmq.Context()
     ctx.setsockopt(zmq.SNDHWM, 0)
     ctx.setsockopt(zmq.RCVHWM, 0)
@@ -693,32 +841,58 @@ def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, boar
     sink.bind(f"ipc://{folder}/sink")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{folder}/sink")
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{folder}/inbox")
+    feed = ctx.socket(zmq.PUSH)
+    feed.connect(f"ipc://{folder}/inbox")
 
-    def decode(k, src=msgs):
+    def decode(k, src=bodies):
         d = scheduler_input.decoder.decode
         for m in src[:k]:
             d(m)
 
-    def encode(k, src=decoded):
+    def encode(k, src=reqs):
         e = scheduler_input.encoder.encode
         for r in src[:k]:
             e(r)
 
-    def send(k, src=msgs):
+    def send(k, src=bodies):
         for m in src[:k]:
             push.send(m)
 
-    long_n = len(long_msgs)
-    header_frames = [
-        msgspec.msgpack.encode([r.rid, len(r.input_ids), r.routed_dp_rank, r.bootstrap_room])
-        for r in decoded
-    ]
-    header_decoder = msgspec.msgpack.Decoder(tuple[str, int, int | None, int | None])
+    def front_end_frames(k, src=reqs):  # what FrontEnd(via_controller=True) encodes
+        f = scheduler_input.controller_frames
+        for r in src[:k]:
+            f([r])
 
-    def decode_header_frame(k):
-        d = header_decoder.decode
-        for h in header_frames[:k]:
-            d(h)
+    def header(k, src=frames):  # the controller's only decode
+        d = scheduler_input.route_decoder.decode
+        for fr in src[:k]:
+            d(fr[0])
+
+    def whole(k, src=bodies):  # the controller's decode before the header frame
+        d = whole_request_route_decoder.decode
+        for m in src[:k]:
+            encoded_array_len(d(m).input_ids)
+
+    def relay_frames(src):
+        """recv [header, request] (request frame zero-copy) and send the request frame on: the
+        controller's socket work per request. The messages are queued untimed."""
+        def run(k):
+            for fr in src[:k]:
+                feed.send_multipart(fr)
+            while inbox.poll(0) == 0:
+                time.sleep(0.001)
+            time.sleep(0.05 + k * 2e-6)
+            recv = inbox.recv
+            t0 = time.perf_counter()
+            for _ in range(k):
+                recv(copy=False).more
+                body = recv(copy=False)
+                body.more
+                push.send(body, copy=False)
+            return time.perf_counter() - t0
+        return run
 
     def dispatcher_for(method):
         disp = Dispatcher(method, NUM_RANKS, NUM_RANKS, read_loads=board.read_all,
@@ -726,14 +900,9 @@ def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, boar
 
         def run(k):
             place = disp.place
-            for r in decoded[:k]:
+            for r in reqs[:k]:
                 place(len(r.input_ids), r.routed_dp_rank, r.bootstrap_room)
         return run
-
-    def route(k, src=msgs):  # what the controller decodes of each request
-        d = scheduler_input.controller_decoder.decode
-        for m in src[:k]:
-            scheduler_input.encoded_array_len(d(m).input_ids)
 
     def board_read(k):
         for _ in range(k):
@@ -741,10 +910,12 @@ def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, boar
 
     rows = [
         (f"msgspec decode GenerateRequest ({prompt} tokens)", decode, n,
-         "whole message, prompt ids included"),
+         "whole message, prompt ids included (the scheduler's decode)"),
         (f"msgspec encode GenerateRequest ({prompt} tokens)", encode, n,
-         "re-encoded for the scheduler"),
-        (f"zmq PUSH send, ipc ({len(msgs[0])} bytes)", send, n,
+         "front end, dp_size 1"),
+        (f"front end: controller_frames, {prompt} tokens", front_end_frames, n,
+         "routing header + request encoded (dp_size > 1)"),
+        (f"zmq PUSH send, ipc ({len(bodies[0])} bytes)", send, n,
          "pyzmq send of the encoded bytes"),
     ]
     rows += [(f"Dispatcher.place: {m}", dispatcher_for(m), n,
@@ -752,25 +923,37 @@ def component_costs(msgs: list[bytes], long_msgs: list[bytes], tmpdir: str, boar
     rows += [
         ("LoadBoard.read_all (4 ranks)", board_read, max(200, n // 20),
          "once per 20 ms at most, per refresh"),
-        ("controller decode: routing fields only", route, n,
+        (f"controller: decode the routing header frame ({len(frames[0][0])} bytes)", header, n,
+         "RouteHeader: rid, num_tokens, routed_dp_rank, bootstrap_room"),
+        (f"controller: recv [header, request] + send request frame, {prompt} tokens",
+         relay_frames(frames), n, "request frame zero-copy (copy=False)"),
+        (f"before: routing decode of the whole request, {prompt} tokens", whole, n,
          "input_ids as msgspec.Raw; length from its msgpack header"),
         (f"msgspec decode GenerateRequest ({long_prompt} tokens)",
-         lambda k: decode(k, long_msgs), long_n, "a long prompt"),
+         lambda k: decode(k, long_bodies), long_n, "a long prompt"),
         (f"msgspec encode GenerateRequest ({long_prompt} tokens)",
-         lambda k: encode(k, long_decoded), long_n, ""),
-        (f"zmq PUSH send, ipc ({len(long_msgs[0])} bytes)", lambda k: send(k, long_msgs),
+         lambda k: encode(k, long_reqs), long_n, ""),
+        (f"front end: controller_frames, {long_prompt} tokens",
+         lambda k: front_end_frames(k, long_reqs), long_n, ""),
+        (f"zmq PUSH send, ipc ({len(long_bodies[0])} bytes)", lambda k: send(k, long_bodies),
          long_n, ""),
-        (f"controller decode: routing fields only ({long_prompt} tokens)",
-         lambda k: route(k, long_msgs), long_n,
-         "msgspec still walks the array to skip it"),
-        ("what-if: decode a separate routing header frame", decode_header_frame, n,
-         "(rid, tokens, routed_dp_rank, bootstrap_room); body forwarded as bytes"),
+        (f"controller: decode the routing header frame, {long_prompt} tokens",
+         lambda k: header(k, long_frames), long_n, "the same few bytes"),
+        (f"controller: recv [header, request] + send request frame, {long_prompt} tokens",
+         relay_frames(long_frames), long_n, ""),
+        (f"before: routing decode of the whole request, {long_prompt} tokens",
+         lambda k: whole(k, long_bodies), long_n, "msgspec still walks the array to skip it"),
     ]
     out = []
     for name, fn, k, note in rows:
-        out.append((name, min(_per_call_us(fn, k) for _ in range(3)), note))
-        while sink.poll(0):  # drain what send() queued
-            sink.recv()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            timed = fn(k)  # a float: the function timed itself (untimed set-up)
+            best = min(best, (timed if timed is not None else time.perf_counter() - t0) / k)
+            while sink.poll(0):  # drain what send() queued
+                sink.recv()
+        out.append((name, best * 1e6, note))
     ctx.destroy(linger=0)
     return out
 
@@ -789,31 +972,31 @@ def profile_controller(ns: argparse.Namespace, tmpdir: str, rng: random.Random, 
     try:
         for method in METHODS:
             ctls[method] = ctl = InProcessController(method, tmpdir, board)
-            ctl.run(make_request_bytes(ns.warmup, method, ns.prompt_tokens, rng, "w"))
+            ctl.run(make_messages(ns.warmup, method, ns.prompt_tokens, rng, "w"))
             ctl.drain()
             cpu[method] = wall[method] = float("inf")
             long_cpu[method] = long_wall[method] = float("inf")
         for _ in range(ns.repeats):  # interleaved, best of the repeats per method
             for method, ctl in ctls.items():
-                c, w = ctl.run(make_request_bytes(prof_n, method, ns.prompt_tokens, rng))
+                c, w = ctl.run(make_messages(prof_n, method, ns.prompt_tokens, rng))
                 ctl.drain()
                 cpu[method] = min(cpu[method], c / prof_n * 1e6)
                 wall[method] = min(wall[method], w / prof_n * 1e6)
-                c, w = ctl.run(make_request_bytes(long_n, method, long_tokens, rng))
+                c, w = ctl.run(make_messages(long_n, method, long_tokens, rng))
                 ctl.drain()
                 long_cpu[method] = min(long_cpu[method], c / long_n * 1e6)
                 long_wall[method] = min(long_wall[method], w / long_n * 1e6)
         prof = cProfile.Profile()
         ctl = ctls[ns.profile_method]
-        ctl.run(make_request_bytes(prof_n, ns.profile_method, ns.prompt_tokens, rng), prof)
+        ctl.run(make_messages(prof_n, ns.profile_method, ns.prompt_tokens, rng), prof)
         top = _top_functions(prof, prof_n)
         for ctl in ctls.values():
             ctl.close()
         ctls.clear()
         log("in-process profile done")
         comps = component_costs(
-            make_request_bytes(prof_n, "follow_bootstrap_room", ns.prompt_tokens, rng),
-            make_request_bytes(long_n, "follow_bootstrap_room", long_tokens, rng),
+            make_requests(prof_n, "follow_bootstrap_room", ns.prompt_tokens, rng),
+            make_requests(long_n, "follow_bootstrap_room", long_tokens, rng),
             tmpdir, board,
         )
     finally:
@@ -1179,12 +1362,17 @@ def format_throughput(results: list[MethodResult], ns: argparse.Namespace) -> st
         "end sends pre-encoded requests; once 1,000 are queued (the PUSH high-water mark) it "
         "waits, so its send rate follows the controller's. Process CPU: all its threads, from "
         "/proc/PID/task/*/schedstat. "
-        "Baselines: Python processes wired like the controller that do only part of its work "
-        "(round robin, no Dispatcher): `recv()` -> `send()` (the ceiling of any Python forwarder "
-        "here); + the controller's routing-only decode; + one DispatchReport per request sent "
-        "right after its forward (the controller's reporting before reports were deferred); "
-        "blocking on a zmq.Poller and draining with NOBLOCK, with the routing decode (the "
-        "controller's loop when it owns the multi-node load relay).",
+        "Controllers get what `FrontEnd(via_controller=True)` sends ([routing header, request] "
+        "frames, `scheduler_input.controller_frames`); a `METHOD @ COMMIT` row is the controller "
+        "of that commit (`--reference`), fed single-frame requests if it predates the header "
+        "frame. Baselines: Python processes wired like the controller that do only part of its "
+        "work (round robin, no Dispatcher, no reports): `recv()` -> `send()` of single-frame "
+        "requests (the ceiling of any Python forwarder here); + a routing-only decode of the "
+        "whole request (`input_ids` as msgspec.Raw: the controller's decode before the header "
+        "frame); [header, request] frames, the header decoded, the request frame forwarded "
+        "zero-copy (the controller's work minus Dispatcher and reports); the same behind a "
+        "zmq.Poller wait and NOBLOCK drain (the controller's loop when it owns the multi-node "
+        "load relay).",
     ]
     return "\n".join(out)
 
@@ -1212,10 +1400,11 @@ def format_latency(results: list[MethodResult], ns: argparse.Namespace) -> str:
         f"arrives), in blocks of {latency_block(ns)} requests per row, the rows taking turns; "
         "\"added\" = the "
         "controller's cost: one more hop plus its processing. The "
-        "baseline rows split that cost: the extra hop alone, + the routing decode, + a report sent "
-        "after each forward (the controller defers its reports: one DispatchReport per 10 ms, here "
-        "one per ~9 requests, sent after a forward), and a Poller loop instead of a blocking "
-        "recv (the controller adds its Dispatcher on top).",
+        "baseline rows split that cost: the extra hop alone (single frames), + a routing decode "
+        "of the whole request (the controller's work before the header frame), the two-frame "
+        "message with only the header decoded (the controller's work minus the Dispatcher and "
+        "its reports: one DispatchReport per 10 ms, here one per ~9 requests, sent after a "
+        "forward), and that behind a Poller loop instead of a blocking recv.",
     ]
     return "\n".join(out)
 
@@ -1319,6 +1508,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-requests", type=int, default=5_000)
     p.add_argument("--profile-requests", type=int, default=20_000)
     p.add_argument("--profile-method", default="total_tokens", choices=METHODS)
+    p.add_argument("--reference", metavar="GITREF",
+                   help="also run the controller of this commit (e.g. HEAD): before/after")
     p.add_argument("--skip-controller", action="store_true", help="balance simulation only")
     p.add_argument("--skip-balance", action="store_true", help="controller benchmark only")
     p.add_argument("--seed", type=int, default=0, help="first workload seed")
@@ -1358,9 +1549,10 @@ def main(argv: list[str] | None = None) -> dict:
     balance = None
     with tempfile.TemporaryDirectory(prefix="bench-dispatch-") as tmp:
         if not ns.skip_controller:
+            reference = extract_reference(ns.reference, tmp) if ns.reference else None
             rig = Rig(tmp)
             try:
-                results = bench_controllers(rig, ns, rng, log)
+                results = bench_controllers(rig, ns, rng, log, reference)
             finally:
                 rig.close()
             prof = profile_controller(ns, tmp, rng, log)

@@ -113,3 +113,21 @@ def test_balance_simulation_is_deterministic():
     assert all(t > 0 for t in a.completion_ms)  # every request finished
     rr = bench.simulate(wl, "round_robin", 0.02, ns)
     assert len(rr.completion_ms) == len(wl.arrivals)
+
+
+def test_benchmark_front_end_sends_what_the_real_front_end_sends(tmp_path):
+    """The controllers are fed `scheduler_input.controller_frames` (FrontEnd's own helper); the
+    direct path and the "before" rows get single frames; `--reference` extracts a commit's
+    `common/` and detects its framing."""
+    import random
+
+    from common.messages import scheduler_input as si
+
+    bench = _load_bench()
+    reqs = bench.make_requests(3, "follow_bootstrap_room", 16, random.Random(0))
+    assert all(r.bootstrap_room is not None for r in reqs)
+    assert bench.frame_requests(reqs, "controller") == [si.controller_frames([r]) for r in reqs]
+    assert bench.frame_requests(reqs, "single") == [[si.encoder.encode(r)] for r in reqs]
+    ref = bench.extract_reference("HEAD", str(tmp_path))
+    assert (Path(ref.root) / "common" / "dp" / "controller.py").is_file()
+    assert ref.framing in bench.FRAMINGS

@@ -189,7 +189,9 @@ def test_burst_within_one_window_spreads_evenly_but_refresh_every_time_concentra
     assert concentrated == {0: 1000}
 
 
-def test_controller_reads_routing_fields_without_decoding_prompts():
+def test_controller_frames_carry_the_routing_fields_apart_from_the_request():
+    """The front end's messages to the controller: [header, request] or [headers, requests..];
+    the header holds what `Dispatcher.place` needs, the request frame is what a scheduler reads."""
     import msgspec
 
     from common.messages import scheduler_input as si
@@ -198,19 +200,22 @@ def test_controller_reads_routing_fields_without_decoding_prompts():
     for n in (0, 5, 15, 16, 300, 70_000):
         req = si.GenerateRequest(rid="r", input_ids=list(range(n)), sampling=SamplingParams(),
                                  routed_dp_rank=2, bootstrap_room=9)
-        raw = si.encoder.encode(req)
-        view = si.controller_decoder.decode(raw)
-        assert isinstance(view, si.RoutedGenerate)
-        assert (view.rid, view.routed_dp_rank, view.bootstrap_room) == ("r", 2, 9)
-        assert si.encoded_array_len(view.input_ids) == n
-        assert si.decoder.decode(raw) == req  # forwarded bytes are the original request
-    batch = si.controller_decoder.decode(si.encoder.encode(si.GenerateBatch(requests=[req, req])))
-    assert isinstance(batch, si.RoutedBatch)
-    assert si.decoder.decode(bytes(batch.requests[1])) == req
-    assert isinstance(si.controller_decoder.decode(si.encoder.encode(si.AbortRequest(rid="r"))),
-                      si.AbortRequest)
+        head, body = si.controller_frames([req])
+        assert si.route_decoder.decode(head) == si.RouteHeader("r", n, 2, 9)
+        assert len(head) < 32  # independent of the prompt
+        assert si.decoder.decode(body) == req  # the scheduler's own message
+    reqs = [si.GenerateRequest(rid=f"b{i}", input_ids=[1] * i, sampling=SamplingParams())
+            for i in range(3)]
+    head, *bodies = si.controller_frames(reqs)
+    assert si.batch_route_decoder.decode(head) == [si.RouteHeader(f"b{i}", i) for i in range(3)]
+    assert [si.decoder.decode(b) for b in bodies] == reqs
+    for msg in (si.AbortRequest(rid="r", dp_rank=1), si.FlushCacheRequest(request_id="f"),
+                si.StatsRequest(request_id="s"), si.SetSlotState(dp_rank=0, state="active")):
+        assert si.control_decoder.decode(si.encoder.encode(msg)) == msg
+    with pytest.raises(msgspec.ValidationError):  # a request without its header frame
+        si.control_decoder.decode(body)
     with pytest.raises(ValueError):
-        si.encoded_array_len(msgspec.msgpack.decode(msgspec.msgpack.encode(3), type=msgspec.Raw))
+        si.controller_frames([])
 
 
 def test_single_place_matches_batch_of_one_for_every_method():
@@ -282,20 +287,28 @@ def controller(tmp_path, monkeypatch):
     frontend.bind(ipc.frontend_input)
     started = []
 
-    class StoppableLoop(ctl.ControllerLoop):
-        def handle_control(self, msg):
-            if isinstance(msg, si.StatsRequest) and msg.request_id == "stop":
-                raise _Stop
-            super().handle_control(msg)
+    stop = si.encoder.encode(si.StatsRequest(request_id="stop"))
 
-    def start(prequeued: list[bytes] = (), **settings):
+    class StoppableLoop(ctl.ControllerLoop):
+        def handle_control(self, raw):
+            if raw == stop:
+                raise _Stop
+            super().handle_control(raw)
+
+    def start(prequeued: list[list[bytes]] = (), dispatcher: Dispatcher | None = None,
+              polled: bool = False, **settings):
+        """polled: the loop of a controller that also owns the multi-node load relay."""
         for name, value in settings.items():
             monkeypatch.setattr(ctl, name, value)
-        loop = StoppableLoop(Dispatcher("round_robin", 3, 3), ipc, ctx=ctx)
+        loop = StoppableLoop(dispatcher or Dispatcher("round_robin", 3, 3), ipc, ctx=ctx)
+        if polled:  # a relay socket nobody sends to: run_forever takes the Poller loop
+            loop.relay = ctx.socket(zmq.PULL)
+            loop.relay.bind(f"ipc://{folder}/relay")
+            loop.poller.register(loop.relay, zmq.POLLIN)
         push = ctx.socket(zmq.PUSH)
         push.connect(ipc.controller_input)
-        for raw in prequeued:
-            push.send(raw)
+        for frames in prequeued:
+            push.send_multipart(frames)
         if prequeued:
             import time
             time.sleep(0.2)  # queued in the controller's socket before its loop starts
@@ -313,18 +326,36 @@ def controller(tmp_path, monkeypatch):
 
     yield start
     for push, thread, loop in started:
-        push.send(si.encoder.encode(si.StatsRequest(request_id="stop")))
+        push.send(stop)
         thread.join(5)
         assert not thread.is_alive()
     ctx.destroy(linger=0)
 
 
-def _gen(rid: str, **kw) -> bytes:
+def _req(rid: str, **kw):
     from common.messages import scheduler_input as si
     from common.messages.sampling import SamplingParams
 
-    return si.encoder.encode(si.GenerateRequest(rid=rid, input_ids=[1, 2, 3],
-                                                sampling=SamplingParams(), **kw))
+    return si.GenerateRequest(rid=rid, input_ids=[1, 2, 3], sampling=SamplingParams(), **kw)
+
+
+def _gen(rid: str, **kw) -> list[bytes]:
+    """What the front end sends the controller for one request: [header, request]."""
+    from common.messages import scheduler_input as si
+
+    return si.controller_frames([_req(rid, **kw)])
+
+
+def _body(rid: str, **kw) -> bytes:
+    """What a scheduler must receive for that request: the request frame alone."""
+    from common.messages import scheduler_input as si
+
+    return si.encoder.encode(_req(rid, **kw))
+
+
+def _arrival(sock) -> list[bytes]:
+    assert sock.poll(2000)
+    return sock.recv_multipart()
 
 
 def _reports(frontend, timeout_ms: int = 2000) -> list:
@@ -337,38 +368,40 @@ def _reports(frontend, timeout_ms: int = 2000) -> list:
     return out
 
 
-def test_controller_forwards_at_once_and_reports_a_burst_in_one_message(controller):
-    raws = [_gen(f"r{i}") for i in range(5)]
+@pytest.mark.parametrize("polled", [False, True])
+def test_controller_forwards_at_once_and_reports_a_burst_in_one_message(controller, polled):
+    msgs = [_gen(f"r{i}") for i in range(5)]
     # (a long delay: a stalled CI machine must not split the burst's report)
-    push, scheds, frontend = controller(prequeued=raws, REPORT_DELAY_MS=300)
-    # Forwarded unchanged, round robin over the 3 ranks.
-    for i, raw in enumerate(raws):
-        assert scheds[i % 3].poll(2000) and scheds[i % 3].recv() == raw
+    push, scheds, frontend = controller(prequeued=msgs, polled=polled, REPORT_DELAY_MS=300)
+    # The request frame alone, unchanged, round robin over the 3 ranks.
+    for i in range(5):
+        assert _arrival(scheds[i % 3]) == [_body(f"r{i}")]
     # The queued burst was handled back to back: one report, once the input went quiet.
     [report] = _reports(frontend)
     assert report.rids == [f"r{i}" for i in range(5)] and report.ranks == [0, 1, 2, 0, 1]
     assert report.failed == []
-    push.send(_gen("later"))  # a lone request is reported too
+    push.send_multipart(_gen("later"))  # a lone request is reported too
     [report] = _reports(frontend)
     assert (report.rids, report.ranks) == (["later"], [2])
 
 
-def test_controller_reports_failures_at_once_and_keeps_serving(controller):
-    push, scheds, frontend = controller(REPORT_DELAY_MS=60_000)
-    push.send(_gen("ok"))
-    push.send(_gen("bad", routed_dp_rank=7))
+@pytest.mark.parametrize("polled", [False, True])
+def test_controller_reports_failures_at_once_and_keeps_serving(controller, polled):
+    push, scheds, frontend = controller(polled=polled, REPORT_DELAY_MS=60_000)
+    push.send_multipart(_gen("ok"))
+    push.send_multipart(_gen("bad", routed_dp_rank=7))
     [report] = _reports(frontend)  # the failure flushes what was pending with it
     assert report.rids == ["ok"] and report.ranks == [0]
     [failure] = report.failed
     assert (failure.rid, failure.status, failure.param) == ("bad", 400, "routed_dp_rank")
-    push.send(_gen("after"))
-    assert scheds[1].poll(2000) and scheds[1].recv() == _gen("after")
+    push.send_multipart(_gen("after"))
+    assert _arrival(scheds[1]) == [_body("after")]
 
 
 def test_controller_report_waits_at_most_max_items(controller):
     push, scheds, frontend = controller(REPORT_DELAY_MS=60_000, REPORT_MAX_ITEMS=3)
     for i in range(4):
-        push.send(_gen(f"n{i}"))
+        push.send_multipart(_gen(f"n{i}"))
     [report] = _reports(frontend)  # the first 3: the item cap; n3 waits (60 s)
     assert report.rids == ["n0", "n1", "n2"]
 
@@ -380,9 +413,108 @@ def test_controller_report_is_bounded_in_time_under_a_trickle(controller):
     push, scheds, frontend = controller(REPORT_DELAY_MS=100)
     t0 = time.monotonic()
     for rid in ("a", "b", "c", "d"):
-        push.send(_gen(rid))
+        push.send_multipart(_gen(rid))
         time.sleep(0.04)
     reports = _reports(frontend)
     assert [rid for r in reports for rid in r.rids] == ["a", "b", "c", "d"]
     assert len(reports) < 4  # batched
     assert time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.parametrize("polled", [False, True])
+def test_controller_places_a_batch_with_one_refresh_and_forwards_each_request(controller,
+                                                                               polled):
+    from common.messages import scheduler_input as si
+
+    board = FakeBoard(3)
+    for r in range(3):
+        board.set(r, 1.0)
+    dispatcher = Dispatcher("total_tokens", 3, 3, read_loads=board, refresh_interval=0.0)
+    push, scheds, frontend = controller(dispatcher=dispatcher, polled=polled,
+                                        REPORT_DELAY_MS=60_000, REPORT_MAX_ITEMS=4)
+    reqs = [_req("t0"), _req("t1"), _req("pinned", routed_dp_rank=0), _req("t3")]
+    reqs[0] = si.GenerateRequest(rid="t0", input_ids=[7] * 500, sampling=reqs[0].sampling)
+    push.send_multipart(si.controller_frames(reqs))
+    [report] = _reports(frontend)
+    assert board.reads == 1  # one budget refresh for the whole batch
+    # total_tokens: t0 (500 tokens) -> 0, t1 -> 1, pinned -> 0 (no budget change), t3 -> 2.
+    assert report.rids == ["t0", "t1", "pinned", "t3"] and report.ranks == [0, 1, 0, 2]
+    assert _arrival(scheds[0]) == [si.encoder.encode(reqs[0])]
+    assert _arrival(scheds[0]) == [si.encoder.encode(reqs[2])]
+    assert _arrival(scheds[1]) == [si.encoder.encode(reqs[1])]
+    assert _arrival(scheds[2]) == [si.encoder.encode(reqs[3])]
+    assert dispatcher.tokens == [500, 3, 3]
+
+
+def test_controller_control_messages_stay_single_frames(controller):
+    import zmq
+
+    from common.messages import scheduler_input as si
+
+    push, scheds, frontend = controller(REPORT_DELAY_MS=60_000)
+    abort = si.encoder.encode(si.AbortRequest(rid="x", dp_rank=2))
+    push.send(abort)
+    assert _arrival(scheds[2]) == [abort]
+    push.send(si.encoder.encode(si.SetSlotState(dp_rank=1, state="unavailable")))
+    for raw in (si.encoder.encode(si.AbortRequest(rid="y")),
+                si.encoder.encode(si.FlushCacheRequest(request_id="f")),
+                si.encoder.encode(si.StatsRequest(request_id="s"))):
+        push.send(raw)
+        for rank in (0, 2):  # every started rank, not the unavailable one
+            assert _arrival(scheds[rank]) == [raw]
+    push.send_multipart(_gen("a"))
+    push.send_multipart(_gen("b"))
+    assert _arrival(scheds[0]) == [_body("a")]
+    assert _arrival(scheds[2]) == [_body("b")]  # round robin skips rank 1
+    assert scheds[1].poll(100, zmq.POLLIN) == 0
+
+
+@pytest.mark.parametrize("polled", [False, True])
+def test_controller_drops_malformed_messages_and_keeps_serving(controller, polled, caplog):
+    from common.messages import scheduler_input as si
+
+    push, scheds, frontend = controller(polled=polled, REPORT_DELAY_MS=60_000)
+    push.send(_body("no-header"))  # a request without its header frame: dropped, logged
+    push.send_multipart([b"\xc1", _body("junk")])  # an undecodable header
+    head, *bodies = si.controller_frames([_req("m0"), _req("m1")])
+    push.send_multipart([head, bodies[0]] + bodies)  # 2 headers, 3 requests: both fail
+    [report] = _reports(frontend)
+    assert [(f.rid, f.status) for f in report.failed] == [("m0", 500), ("m1", 500)]
+    push.send_multipart(_gen("fine"))
+    assert _arrival(scheds[0]) == [_body("fine")]
+    assert "malformed" in caplog.text
+
+
+async def test_front_end_sends_header_frames_to_a_controller_and_plain_frames_otherwise(
+        tmp_path):
+    import zmq
+
+    from common.messages import scheduler_input as si
+    from common.server.frontend import FrontEnd
+    from common.server.ipc import IpcPaths
+
+    ctx = zmq.Context()
+    try:
+        for via_controller in (True, False):
+            folder = tmp_path / str(via_controller)
+            folder.mkdir()
+            ipc = IpcPaths(folder=str(folder), controller_input=f"ipc://{folder}/ctl",
+                           detokenizer_input=f"ipc://{folder}/detok",
+                           frontend_input=f"ipc://{folder}/fe")
+            sink = ctx.socket(zmq.PULL)
+            sink.bind(ipc.controller_input)
+            fe = FrontEnd(ipc, ipc.controller_input, 3, via_controller=via_controller)
+            try:
+                one, batch = [_req("one")], [_req("b0"), _req("b1", bootstrap_room=5)]
+                fe.generate_many(one)
+                fe.generate_many(batch)
+                got = [_arrival(sink) for _ in range(2 if via_controller else 3)]
+                if via_controller:
+                    assert got == [si.controller_frames(one), si.controller_frames(batch)]
+                else:
+                    assert got == [[si.encoder.encode(r)] for r in one + batch]
+            finally:
+                await fe.close()
+                sink.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)

@@ -1,17 +1,26 @@
 """The DataParallelController process: a thin ZMQ loop around `Dispatcher`.
 
-    PULL controller_input  GenerateRequest | GenerateBatch | AbortRequest | control | SetSlotState
-      -> Dispatcher picks a rank           -> PUSH scheduler_input[rank] (the request's own
-                                              bytes: only routing fields are decoded here)
-      -> DispatchReport (ranks, failures)  -> PUSH frontend_input
+    PULL controller_input  [RouteHeader, request]            one request
+                           [list[RouteHeader], request x N]  one HTTP batch (one budget refresh)
+                           [AbortRequest | FlushCacheRequest | StatsRequest | SetSlotState]
+      -> Dispatcher picks a rank from the header frame  -> PUSH scheduler_input[rank]: the
+                                                           request frame, unchanged (zero-copy)
+      -> DispatchReport (rids, ranks, failures)         -> PUSH frontend_input
     replies go scheduler -> detokenizer -> front end, never through here.
     PULL load relay (multi-node, load-aware methods only): other nodes' snapshots -> board
 
+The front end builds these messages with `scheduler_input.controller_frames`. The frame count
+says what a message is (1: control, 2: one request, more: a batch); only the small header frame
+is decoded (rid, num_tokens, routed_dp_rank, bootstrap_room), and the request frame is passed on
+as the zmq message it arrived in, so a dispatch costs the same whatever the prompt's length.
+Schedulers receive plain single-frame GenerateRequests, exactly as with dp_size 1.
+
 It blocks when there is nothing to read (on `recv()` of its one input socket, or on a poller
 when it also owns the load relay), and survives every per-request error: a request that cannot
-be placed gets a DispatchFailure (HTTP 4xx/503 for that client only).
+be placed gets a DispatchFailure (HTTP 4xx/503 for that client only); a malformed message is
+logged and dropped (its requests, when their rids can be read, are failed).
 
-Reports are off the forwarding path: a request's hop is just decode -> Dispatcher -> send.
+Reports are off the forwarding path: a request's hop is just header decode -> Dispatcher -> send.
 Outcomes are collected and sent as one DispatchReport once the oldest is REPORT_DELAY_MS old
 (checked after each message; a quiet input times the wait out after as long again, so a report
 is at most twice that late), or when REPORT_MAX_ITEMS are waiting; under load one report covers
@@ -31,15 +40,16 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+import msgspec
 import zmq
 
 from common.config import ServerArgs
-from common.dp.dispatch import LOAD_AWARE, DispatchError, DispatchItem, Dispatcher, SlotState
+from common.dp.dispatch import LOAD_AWARE, DispatchError, Dispatcher, SlotState
 from common.loads.board import LoadBoard
 from common.loads.relay import bind_relay, write_relayed
 from common.messages import frontend_input, launch, scheduler_input
 from common.messages.frontend_input import DispatchFailure, DispatchReport
-from common.messages.scheduler_input import RoutedBatch, RoutedGenerate, encoded_array_len
+from common.messages.scheduler_input import RouteHeader
 from common.server.ipc import IpcPaths, drain_nowait
 from common.server.topology import Topology
 from common.server.process_utils import configure_logging, die_with_parent, report
@@ -50,7 +60,9 @@ logger = logging.getLogger(__name__)
 REPORT_DELAY_MS = 10
 REPORT_MAX_ITEMS = 512
 
-_decode = scheduler_input.controller_decoder.decode
+_route = scheduler_input.route_decoder.decode
+_routes = scheduler_input.batch_route_decoder.decode
+_control = scheduler_input.control_decoder.decode
 
 
 class ControllerLoop:
@@ -99,31 +111,37 @@ class ControllerLoop:
     def _run_single_input(self) -> None:
         """One input socket: a blocking recv wakes faster than a Poller wait. While outcomes
         wait to be reported it has a timeout (RCVTIMEO), so a quiet input still reports them.
-        The hot path (one GenerateRequest) is inlined: every step here is on the request's hop."""
+        The hot path (one request: two frames) is inlined: every step here is on its hop."""
         recv = self.recv.recv
-        dispatcher = self.dispatcher
-        place = dispatcher.place
-        uses_tokens = dispatcher.uses_tokens
+        place = self.dispatcher.place
         workers = self.workers
         monotonic = time.monotonic
         while True:
             try:
-                raw = recv()
+                # Frames, not bytes: nothing copied, and `.more` is read at no extra cost.
+                head = recv(copy=False)
             except zmq.Again:  # quiet for REPORT_DELAY_MS
                 self.flush_report()
                 continue
-            msg = _decode(raw)
-            if type(msg) is RoutedGenerate:
-                try:
-                    rank = place(encoded_array_len(msg.input_ids) if uses_tokens else 0,
-                                 msg.routed_dp_rank, msg.bootstrap_room)
-                except DispatchError as exc:
-                    self._fail(msg.rid, exc)
+            try:
+                if not head.more:
+                    self.handle_control(head.bytes)
                 else:
-                    workers[rank].send(raw)
-                    self._dispatched(msg.rid, rank)
-            else:
-                self.handle_message(msg)
+                    body = recv(copy=False)  # the request, passed on as this zmq message
+                    if body.more:
+                        self._dispatch_batch(head, [body, *self._recv_rest(body)])
+                    else:
+                        route = _route(head)
+                        try:
+                            rank = place(route.num_tokens, route.routed_dp_rank,
+                                         route.bootstrap_room)
+                        except DispatchError as exc:
+                            self._fail(route.rid, exc)
+                        else:
+                            workers[rank].send(body, copy=False)
+                            self._dispatched(route.rid, rank)
+            except msgspec.DecodeError as exc:
+                self._malformed(exc)
             due = self._report_due
             if due is not None and (
                 self._failed or monotonic() >= due or len(self._rids) >= REPORT_MAX_ITEMS
@@ -132,77 +150,97 @@ class ControllerLoop:
 
     def _run_polled(self) -> None:
         """With the multi-node load relay: a Poller over both sockets, NOBLOCK drains."""
+        recv = self.recv.recv
         while True:
             if not self.poller.poll(REPORT_DELAY_MS if self._report_due is not None else None):
                 self.flush_report()  # quiet: time to report
                 continue
             for raw in drain_nowait(self.relay):
                 write_relayed(self.relay_board, raw)
-            for raw in drain_nowait(self.recv):
-                self.handle_raw(raw)
+            while True:
+                try:
+                    head = recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self.handle_frames([head, *self._recv_rest(head)])
             due = self._report_due
             if due is not None and (
                 self._failed or time.monotonic() >= due or len(self._rids) >= REPORT_MAX_ITEMS
             ):
                 self.flush_report()
 
+    def _recv_rest(self, last: zmq.Frame) -> list[zmq.Frame]:
+        """The frames after `last` of the message being received (all already here: a
+        multipart message arrives whole)."""
+        frames = []
+        while last.more:
+            last = self.recv.recv(copy=False)
+            frames.append(last)
+        return frames
+
     # ---- message handling ----------------------------------------------------------------
-    def handle_raw(self, raw: bytes) -> None:
-        """One message from the front end (the polled loop; the single-input loop inlines the
-        GenerateRequest case)."""
-        msg = _decode(raw)
-        if type(msg) is RoutedGenerate:
-            dispatcher = self.dispatcher
-            try:
-                rank = dispatcher.place(
-                    encoded_array_len(msg.input_ids) if dispatcher.uses_tokens else 0,
-                    msg.routed_dp_rank, msg.bootstrap_room,
-                )
-            except DispatchError as exc:
-                self._fail(msg.rid, exc)
-                return
-            self.workers[rank].send(raw)
-            self._dispatched(msg.rid, rank)
-        else:
-            self.handle_message(msg)
+    def handle_frames(self, frames: list) -> None:
+        """One message from the front end, all its frames (the polled loop; the single-input
+        loop inlines the one-request case)."""
+        try:
+            if len(frames) == 1:
+                self.handle_control(frames[0].bytes)
+            elif len(frames) == 2:
+                self._dispatch_one(frames[0], frames[1])
+            else:
+                self._dispatch_batch(frames[0], frames[1:])
+        except msgspec.DecodeError as exc:
+            self._malformed(exc)
 
-    def handle_message(self, msg) -> None:
-        """Everything but a single GenerateRequest: a batch, or a control message."""
-        if type(msg) is RoutedBatch:
-            self._dispatch_batch(msg)
-        else:
-            self.handle_control(msg)
+    def _dispatch_one(self, head, body) -> None:
+        route = _route(head)
+        try:
+            rank = self.dispatcher.place(route.num_tokens, route.routed_dp_rank,
+                                         route.bootstrap_room)
+        except DispatchError as exc:
+            self._fail(route.rid, exc)
+            return
+        self.workers[rank].send(body, copy=False)
+        self._dispatched(route.rid, rank)
 
-    def handle_control(self, msg) -> None:
-        if isinstance(msg, scheduler_input.AbortRequest):
+    def handle_control(self, raw: bytes) -> None:
+        """A single-frame message: abort, flush, stats, or a slot state change."""
+        msg = _control(raw)
+        if type(msg) is scheduler_input.AbortRequest:
             ranks = [msg.dp_rank] if msg.dp_rank is not None else self._started_ranks()
             for rank in ranks:
-                self.workers[rank].send(scheduler_input.encoder.encode(msg))
-        elif isinstance(msg, (scheduler_input.FlushCacheRequest, scheduler_input.StatsRequest)):
-            raw = scheduler_input.encoder.encode(msg)
-            for rank in self._started_ranks():
                 self.workers[rank].send(raw)
-        elif isinstance(msg, scheduler_input.SetSlotState):
+        elif type(msg) is scheduler_input.SetSlotState:
             self.dispatcher.set_state(msg.dp_rank, SlotState(msg.state))
             logger.info("DP rank %d is now %s", msg.dp_rank, msg.state)
+        else:  # FlushCacheRequest, StatsRequest
+            for rank in self._started_ranks():
+                self.workers[rank].send(raw)
 
     def _started_ranks(self) -> list[int]:
         return [r for r in range(self.dispatcher.num_slots) if self.dispatcher.is_available(r)]
 
-    def _dispatch_batch(self, batch: RoutedBatch) -> None:
-        """Place every request of a batch (one budget refresh) and forward each one's bytes."""
-        decode = scheduler_input.routed_generate_decoder.decode
-        reqs = [(decode(item), bytes(item)) for item in batch.requests]
-        items = [
-            DispatchItem(encoded_array_len(r.input_ids), r.routed_dp_rank, r.bootstrap_room)
-            for r, _ in reqs
-        ]
-        for (req, raw), rank in zip(reqs, self.dispatcher.place_batch(items)):
+    def _dispatch_batch(self, head, bodies: list) -> None:
+        """Place every request of a batch (one budget refresh) and forward each one's frame."""
+        routes: list[RouteHeader] = _routes(head)
+        if len(routes) != len(bodies):
+            for route in routes:
+                self._fail(route.rid, DispatchError(
+                    f"malformed batch: {len(routes)} routing headers for {len(bodies)} "
+                    "requests", 500))
+            logger.error("dropped a batch with %d routing headers for %d requests",
+                         len(routes), len(bodies))
+            return
+        # A RouteHeader has DispatchItem's fields (num_tokens, routed_dp_rank, bootstrap_room).
+        for route, body, rank in zip(routes, bodies, self.dispatcher.place_batch(routes)):
             if isinstance(rank, DispatchError):
-                self._fail(req.rid, rank)
+                self._fail(route.rid, rank)
                 continue
-            self.workers[rank].send(raw)
-            self._dispatched(req.rid, rank)
+            self.workers[rank].send(body, copy=False)
+            self._dispatched(route.rid, rank)
+
+    def _malformed(self, exc: Exception) -> None:
+        logger.error("dropped a malformed message from the front end: %s", exc)
 
     def _dispatched(self, rid: str, rank: int) -> None:
         self._rids.append(rid)

@@ -97,8 +97,6 @@ class Dispatcher:
         self.tokens = [0] * num_slots
         self._last_refresh = float("-inf")
         self._seen_timestamps: list[float | None] = [None] * num_slots
-        # Only total_tokens reads an item's prompt length (callers may skip computing it).
-        self.uses_tokens = method == "total_tokens"
         self._load_aware = method in LOAD_AWARE
         self._pick = {
             "round_robin": self._round_robin,
@@ -150,7 +148,8 @@ class Dispatcher:
         return ranks
 
     def place_batch(self, items: Sequence[DispatchItem]) -> list[int | DispatchError]:
-        """One rank, or the error for that item alone, per item; one budget refresh."""
+        """One rank, or the error for that item alone, per item; one budget refresh. An item is
+        anything with DispatchItem's three attributes (the controller passes RouteHeaders)."""
         if self._load_aware and any(i.routed_dp_rank is None for i in items):
             self.maybe_refresh()
         out: list[int | DispatchError] = []

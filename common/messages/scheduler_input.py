@@ -1,8 +1,20 @@
 """Channel front end -> scheduler: tokenized requests and control messages.
 
-With dp_size > 1 the DataParallelController sits on this channel: it receives these messages
-(plus `GenerateBatch` and `SetSlotState`, which only it handles), picks a rank per request, and
-forwards the per-request messages unchanged to that rank's scheduler.
+With dp_size 1 the front end PUSHes each message as one msgpack frame straight to the scheduler.
+With dp_size > 1 the DataParallelController sits on this channel, and requests carry their
+routing information in a separate, tiny first frame, so the controller never decodes a request
+body (see `controller_frames`, the one function that builds these messages):
+
+    [RouteHeader, GenerateRequest]                 one request
+    [list[RouteHeader], GenerateRequest x N]       one HTTP batch of N >= 2 requests (the
+                                                   controller refreshes its budget once)
+    [AbortRequest | FlushCacheRequest | StatsRequest | SetSlotState]    control: one frame
+
+The controller tells them apart by the frame count (1: control, 2: one request, more: a
+batch), decodes only the header frame, and forwards each request frame unchanged (zero-copy) to
+the chosen scheduler as a plain single-frame message: schedulers always receive single frames.
+`SetSlotState` is handled by the controller only; aborts go to the owning rank (or every rank),
+flush and stats requests to every started rank.
 """
 
 from __future__ import annotations
@@ -29,12 +41,6 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, frozen=True)
     bootstrap_port: int | None = None
 
 
-class GenerateBatch(msgspec.Struct, tag="generate_batch", kw_only=True, frozen=True):
-    """The items of one HTTP batch: the controller refreshes its load budget once for all."""
-
-    requests: list[GenerateRequest]
-
-
 class AbortRequest(msgspec.Struct, tag="abort", kw_only=True, frozen=True):
     rid: str
     message: str = "aborted"
@@ -57,46 +63,48 @@ class SetSlotState(msgspec.Struct, tag="set_slot_state", kw_only=True, frozen=Tr
     state: str  # "active" | "reserved" | "unavailable"
 
 
-SchedulerInput = (
-    GenerateRequest | GenerateBatch | AbortRequest | FlushCacheRequest | StatsRequest
-    | SetSlotState
-)
+SchedulerInput = GenerateRequest | AbortRequest | FlushCacheRequest | StatsRequest | SetSlotState
 
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(SchedulerInput)
 
 
-# ---- the controller's view of this channel ----------------------------------------------------
-# The controller routes on a few fields and forwards each request's bytes unchanged, so it never
-# materialises prompts (decoding and re-encoding 2,048 token ids cost ~80 us per request).
+# ---- front end -> DP controller: routing header frames ----------------------------------------
+# The controller routes on these few fields and forwards each request's bytes unchanged, so its
+# per-request work does not depend on the request body (decoding 2,048 token ids, even only to
+# skip them, costs tens of microseconds; this header costs well under one).
 
 
-class RoutedGenerate(msgspec.Struct, tag="generate", kw_only=True, frozen=True):
+class RouteHeader(msgspec.Struct, array_like=True, frozen=True):
+    """What the controller needs of one request: `Dispatcher.place`'s inputs and, for its
+    DispatchReport, the rid. Encoded as a msgpack array: [rid, num_tokens, routed_dp_rank,
+    bootstrap_room]."""
+
     rid: str
-    input_ids: msgspec.Raw  # left encoded; only its length is read
+    num_tokens: int  # len(input_ids): total_tokens' speculative increment
     routed_dp_rank: int | None = None
     bootstrap_room: int | None = None
 
 
-class RoutedBatch(msgspec.Struct, tag="generate_batch", kw_only=True, frozen=True):
-    requests: list[msgspec.Raw]  # each one an encoded GenerateRequest
+def route_of(req: GenerateRequest) -> RouteHeader:
+    return RouteHeader(req.rid, len(req.input_ids), req.routed_dp_rank, req.bootstrap_room)
 
 
-ControllerInput = (
-    RoutedGenerate | RoutedBatch | AbortRequest | FlushCacheRequest | StatsRequest | SetSlotState
-)
-controller_decoder = msgspec.msgpack.Decoder(ControllerInput)
-routed_generate_decoder = msgspec.msgpack.Decoder(RoutedGenerate)
+def controller_frames(reqs: list[GenerateRequest]) -> list[bytes]:
+    """The multipart message that submits `reqs` (one HTTP request or batch) to the DP
+    controller: [header, body] for one request, [headers, body, ..., body] for several (the
+    controller refreshes its load budget once for them all). Control messages are not built
+    here: they stay single frames, `encoder.encode(msg)`."""
+    if not reqs:
+        raise ValueError("no request to send")
+    encode = encoder.encode
+    if len(reqs) == 1:
+        req = reqs[0]
+        return [encode(route_of(req)), encode(req)]
+    return [encode([route_of(r) for r in reqs]), *(encode(r) for r in reqs)]
 
 
-def encoded_array_len(raw: msgspec.Raw) -> int:
-    """Element count of an encoded msgpack array, read from its header."""
-    data = memoryview(raw)
-    head = data[0]
-    if 0x90 <= head <= 0x9F:
-        return head & 0x0F
-    if head == 0xDC:
-        return int.from_bytes(data[1:3], "big")
-    if head == 0xDD:
-        return int.from_bytes(data[1:5], "big")
-    raise ValueError("not a msgpack array")
+ControlInput = AbortRequest | FlushCacheRequest | StatsRequest | SetSlotState
+route_decoder = msgspec.msgpack.Decoder(RouteHeader)
+batch_route_decoder = msgspec.msgpack.Decoder(list[RouteHeader])
+control_decoder = msgspec.msgpack.Decoder(ControlInput)

@@ -1,7 +1,8 @@
 """The front end's request bookkeeping ("tokenizer manager"), independent of HTTP.
 
 Lifecycle of one request:
-    generate(): register state -> PUSH GenerateRequest to the scheduler
+    generate(): register state -> PUSH GenerateRequest to the scheduler (to the DP
+                controller: [routing header, request] frames, see scheduler_input)
     recv loop:  TextDelta from the detokenizer -> append to the state -> wake the consumer
     consumer:   iterates snapshots until `finished`; leaving early (client gone, cancelled)
                 sends AbortRequest, so the scheduler frees the request's KV at once.
@@ -134,9 +135,10 @@ class FrontEnd:
     def generate_many(
         self, reqs: list[scheduler_input.GenerateRequest]
     ) -> list[AsyncIterator[RequestOutput]]:
-        """Registers and submits every request now (as one batch message when a DP controller
-        is in front of the schedulers, so it refreshes its load budget once); returns one
-        iterator per request. Leaving an iterator early aborts that request."""
+        """Registers and submits every request now (as one multipart message when a DP
+        controller is in front of the schedulers: a routing header frame it decodes instead of
+        the requests, and one budget refresh for a batch); returns one iterator per request.
+        Leaving an iterator early aborts that request."""
         registered: list[_State | None] = []
         to_send: list[scheduler_input.GenerateRequest] = []
         for req in reqs:
@@ -154,12 +156,14 @@ class FrontEnd:
             else:
                 to_send.append(req)
         if to_send:
-            if self.via_controller and len(to_send) > 1:
-                msgs = [scheduler_input.GenerateBatch(requests=to_send)]
+            if self.via_controller:
+                # One multipart message: routing header frame(s), then the request frames.
+                self.to_scheduler.send_multipart(
+                    scheduler_input.controller_frames(to_send), copy=False
+                )
             else:
-                msgs = to_send
-            for msg in msgs:
-                self.to_scheduler.send(scheduler_input.encoder.encode(msg), copy=False)
+                for req in to_send:
+                    self.to_scheduler.send(scheduler_input.encoder.encode(req), copy=False)
         return [
             self._follow(state) if state is not None else self._refused(req)
             for req, state in zip(reqs, registered)
