@@ -7,17 +7,21 @@ mock is not what is measured):
     direct        client -> mock                       (the baseline)
     pdserve       client -> `pdserve router --pd-disaggregation` -> prefill mock + decode mock
     sglang        client -> `sglang-router launch --pd-disaggregation` -> the same mocks
-                  (only if `--sglang-router BIN` points at an installed sglang-router)
+                  (only with `--sglang-router [BIN]`)
 
 Modes: non-streaming `/generate` (a ~300-byte JSON answer) and streaming (`"stream": true`:
 four SSE events, each written by the mock as its own small packet, then `data: [DONE]`; on a
 keep-alive connection a missing TCP_NODELAY shows up as a ~40 ms stall per request). Latency at
 1 connection is the time from sending the request to the last byte of the answer; "added" is
-that minus the direct p50. The client is a raw asyncio HTTP/1.1 client in this process, the
+that minus the direct p50 (same client, same keep-alive connection reuse). Latency requests come
+in slices with the targets interleaved, like the throughput runs, so a burst of load from other
+jobs hits every target alike. The client is a raw asyncio HTTP/1.1 client in this process, the
 mocks run in one other process, each router in its own.
 
     python benchmarks/bench_router.py                                   # pdserve vs direct
+    python benchmarks/bench_router.py --sglang-router     # + the sglang-router of this venv
     python benchmarks/bench_router.py --sglang-router /path/to/venv/bin/sglang-router
+    python benchmarks/bench_router.py --sglang-router --latency-only    # the 1-connection part
     python benchmarks/bench_router.py --quick                           # ~15 s smoke run
 """
 
@@ -234,9 +238,20 @@ def start_pdserve(prefill: int, decode: int, logdir: Path) -> Target:
     return Target("pdserve router", port, proc)
 
 
-def start_sglang(binary: str, prefill: int, decode: int, logdir: Path) -> Target:
+def sglang_command(given: str) -> list[str]:
+    """How to start sglang-router: the executable given, or ("auto") the `sglang-router`
+    console script of this Python's environment, else its module form."""
+    if given != "auto":
+        return [given, "launch"]
+    script = Path(sys.executable).parent / "sglang-router"
+    if script.exists():
+        return [str(script), "launch"]
+    return [sys.executable, "-m", "sglang_router.launch_router"]
+
+
+def start_sglang(command: list[str], prefill: int, decode: int, logdir: Path) -> Target:
     port = free_port()
-    proc = spawn([binary, "launch", "--pd-disaggregation", "--port", str(port),
+    proc = spawn([*command, "--pd-disaggregation", "--port", str(port),
                   "--host", "127.0.0.1", "--prefill", f"http://127.0.0.1:{prefill}", "none",
                   "--decode", f"http://127.0.0.1:{decode}", "--policy", "round_robin",
                   "--prometheus-port", str(free_port()), "--log-level", "warn"],
@@ -245,15 +260,16 @@ def start_sglang(binary: str, prefill: int, decode: int, logdir: Path) -> Target
     return Target("sglang-router", port, proc)
 
 
-def sglang_version(binary: str) -> str:
-    pip = Path(binary).parent / "pip"
+def sglang_version(command: list[str]) -> str:
+    """The installed version, asked of the Python that runs it."""
+    python = command[0] if command[1:2] == ["-m"] else Path(command[0]).parent / "python"
     try:
-        out = subprocess.run([str(pip), "show", "sglang-router"], capture_output=True,
-                             text=True, timeout=60).stdout
+        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
+                              "print(m.version('sglang-router'))"],
+                             capture_output=True, text=True, timeout=60).stdout.strip()
     except OSError:
         return "unknown"
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                 if line.startswith("Version:")), "unknown")
+    return out or "unknown"
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -267,19 +283,27 @@ async def measure(targets: list[Target], args: argparse.Namespace) -> dict:
     machine then hits all of them alike); each keeps its best run."""
     modes = (False, True)
     rps = {(t.name, m): [] for t in targets for m in modes}
-    for _ in range(args.repeats):
+    for _ in range(0 if args.latency_only else args.repeats):
         for target in targets:
             for stream in modes:
                 rps[(target.name, stream)].append(
                     await throughput(target.port, stream, args.connections, args.seconds))
+    # Latency too: the requests of each target come in `rounds` slices, targets interleaved.
+    lat = {(t.name, m): [] for t in targets for m in modes}
+    rounds = max(1, min(args.latency_rounds, args.latency_requests // 100))
+    for _ in range(rounds):
+        for target in targets:
+            for stream in modes:
+                lat[(target.name, stream)] += await latencies(
+                    target.port, stream, args.latency_requests // rounds)
     results = {}
     for target in targets:
         row = results[target.name] = {}
         for stream in modes:
-            lat = await latencies(target.port, stream, args.latency_requests)
+            values = lat[(target.name, stream)]
             row["stream" if stream else "unary"] = {
-                "rps": max(rps[(target.name, stream)]), "p50": statistics.median(lat),
-                "p99": pct(lat, 0.99)}
+                "rps": max(rps[(target.name, stream)], default=0.0), "p50": statistics.median(values),
+                "p99": pct(values, 0.99)}
     return results
 
 
@@ -289,8 +313,14 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="per throughput run")
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs; best kept")
     parser.add_argument("--latency-requests", type=int, default=2000)
-    parser.add_argument("--sglang-router", default=None,
-                        help="path of an installed `sglang-router` executable")
+    parser.add_argument("--latency-rounds", type=int, default=4,
+                        help="latency requests come in this many slices, targets interleaved")
+    parser.add_argument("--latency-only", action="store_true", help="skip the throughput runs")
+    parser.add_argument("--sglang-router", nargs="?", const="auto", default=None,
+                        metavar="BIN",
+                        help="compare with sglang-router: the path of its `sglang-router` "
+                             "executable, or no value for the one installed with this Python "
+                             "(console script, else `python -m sglang_router.launch_router`)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--mock", nargs="+", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -309,13 +339,14 @@ def main() -> int:
     try:
         wait_ready(f"http://127.0.0.1:{direct}/health")
         targets.append(start_pdserve(prefill, decode, logdir))
-        if args.sglang_router:
-            targets.append(start_sglang(args.sglang_router, prefill, decode, logdir))
+        sglang = sglang_command(args.sglang_router) if args.sglang_router else None
+        if sglang:
+            targets.append(start_sglang(sglang, prefill, decode, logdir))
         print(f"# router benchmark - {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         print(f"# machine: {cpu_model()}, {os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.2f}; Python {sys.version.split()[0]}")
-        if args.sglang_router:
-            print(f"# sglang-router {sglang_version(args.sglang_router)}")
+        if sglang:
+            print(f"# sglang-router {sglang_version(sglang)}: {' '.join(sglang)}")
         print(f"# {args.connections} connections x {args.seconds:g} s (best of {args.repeats});"
               f" latency: {args.latency_requests} requests on 1 keep-alive connection")
         results = asyncio.run(measure(targets, args))
@@ -331,7 +362,7 @@ def main() -> int:
                 print(f"| {name} | {'streaming' if mode == 'stream' else 'non-streaming'} | "
                       f"{r['rps']:.0f} | {r['p50'] * 1e3:.3f} | {r['p99'] * 1e3:.3f} | "
                       f"{'-' if name == 'direct to mock' else f'{added:.3f}'} |")
-        if "sglang-router" in results:
+        if "sglang-router" in results and not args.latency_only:
             for mode in ("unary", "stream"):
                 ours, theirs = results["pdserve router"], results["sglang-router"]
                 ratio = ours[mode]["rps"] / theirs[mode]["rps"]

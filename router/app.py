@@ -47,9 +47,8 @@ async def router_middleware(request: web.Request, handler):
         response.headers.setdefault("X-Request-Id", request["request_id"])
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else "unmatched"
-    state.metrics.http_requests.labels(route, str(response.status)).inc()
-    if route in INFERENCE:
-        state.metrics.latency.labels(route).observe(time.perf_counter() - started)
+    state.metrics.count_request(route, response.status,
+                                time.perf_counter() - started if route in INFERENCE else None)
     return response
 
 

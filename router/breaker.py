@@ -47,7 +47,7 @@ class CircuitBreaker:
 
     def allows(self) -> bool:
         """Whether a new request may go to this worker now (does not reserve the probe)."""
-        if not self.enabled:
+        if not self.enabled or self._state is BreakerState.CLOSED:  # the hot path
             return True
         state = self.state
         if state is BreakerState.CLOSED:
@@ -55,12 +55,13 @@ class CircuitBreaker:
         return state is BreakerState.HALF_OPEN and not self.probe_in_flight
 
     def on_dispatch(self) -> None:
-        if self.enabled and self.state is BreakerState.HALF_OPEN:
+        if self.enabled and self._state is not BreakerState.CLOSED \
+                and self.state is BreakerState.HALF_OPEN:
             self.probe_in_flight = True
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
-        if self.state is BreakerState.HALF_OPEN:
+        if self._state is not BreakerState.CLOSED and self.state is BreakerState.HALF_OPEN:
             self.probe_in_flight = False
             self.half_open_successes += 1
             if self.half_open_successes >= self.success_threshold:

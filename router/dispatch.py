@@ -64,19 +64,6 @@ def _consume_result(task: asyncio.Task) -> None:
         task.exception()
 
 
-async def _fetch(leg: Leg, partner: Worker | None) -> tuple[int, str, bytes]:
-    """A whole non-streaming answer, or LegFailure (4xx/5xx bodies travel inside it)."""
-    try:
-        response = await leg.open()
-        if response.status >= 400:
-            raise await leg.status_failure(charge=partner is None or partner.available)
-        body = await leg.read()
-        leg.finish(True)
-        return response.status, response.content_type, body
-    finally:
-        leg.finish(None)
-
-
 async def _open_with_retry(state: RouterState, role: Role, key: RouteKey, first: Worker,
                            payload_for: Callable[[Worker], bytes], path: str,
                            request_id: str) -> Leg:
@@ -181,30 +168,50 @@ async def dispatch_pd(state: RouterState, request: web.Request, plan: RequestPla
 async def _pd_unary(state: RouterState, plan: RequestPlan, path: str, request_id: str,
                     prefill_leg: Leg, decode: Worker,
                     decode_payload: Callable[[Worker], bytes]) -> web.Response:
-    prefill = prefill_leg.worker
-    p_task = asyncio.create_task(_fetch(prefill_leg, decode))
-    d_task = asyncio.create_task(_fetch_with_retry(
-        state, Role.DECODE, plan.key, decode, decode_payload, path, request_id, prefill))
+    """The prefill leg is driven by callbacks (`Leg.start`) and the decode leg runs right here,
+    in the handler's task: no task or `asyncio.wait` per request (see docs/benchmarks.md,
+    Router). A prefill failure while decode is pending cancels this task, which closes the
+    decode connection (uncharged), and becomes the answer."""
+    handler = asyncio.current_task()
+    decode_pending = True
+    prefill_failure: LegFailure | None = None
+    prefill_body: asyncio.Future | None = None  # only to merge prompt logprobs
+
+    def on_prefill_done(failure: LegFailure | None, body: bytes) -> None:
+        nonlocal prefill_failure
+        if prefill_body is not None and not prefill_body.done():
+            prefill_body.set_result(None if failure is not None else body)
+        if failure is not None and decode_pending:
+            prefill_failure = failure
+            handler.cancel()
+
+    if plan.wants_input_logprobs:
+        prefill_body = asyncio.get_running_loop().create_future()
+    prefill_leg.start(on_prefill_done, lambda: decode.available)
     try:
-        await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
-        if not d_task.done() and (failure := _failure_of(p_task)) is not None:
-            await _cancel(d_task)
-            return failure.response(request_id)
         try:
-            status, content_type, body = await d_task
+            status, content_type, body = await _fetch_with_retry(
+                state, Role.DECODE, plan.key, decode, decode_payload, path, request_id,
+                prefill_leg.worker)
         except LegFailure as failure:
-            await _cancel(p_task)
+            decode_pending = False
+            prefill_leg.finish(None)
             return failure.response(request_id)
-        if plan.wants_input_logprobs:
-            await asyncio.wait((p_task,))
-            if _failure_of(p_task) is None:
-                body = merge_bodies(body, p_task.result()[2])
-        elif not p_task.done():
-            p_task.add_done_callback(_consume_result)
-            state.keep(p_task)  # the answer is complete; let the prefill reply drain
+        except asyncio.CancelledError:
+            decode_pending = False
+            if prefill_failure is None or handler.uncancel() > 0:
+                raise
+            return prefill_failure.response(request_id)
+        decode_pending = False
+        if prefill_body is not None:
+            prompt = await prefill_body
+            if prompt is not None:
+                body = merge_bodies(body, prompt)
+        # else the answer is complete; the prefill reply drains into its callback
         return _answer(status, content_type, body, request_id)
     except BaseException:
-        await _cancel(p_task, d_task)  # the client left: both workers abort on disconnect
+        decode_pending = False
+        prefill_leg.finish(None)  # the client left: both workers abort on disconnect
         raise
 
 

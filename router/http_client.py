@@ -72,6 +72,9 @@ class UpstreamResponse:
         self._keep_alive = True
         self._released = False
         self._timer: asyncio.TimerHandle | None = None
+        # Called once, from the protocol, when the answer is complete or has failed (for legs
+        # driven by callbacks instead of a task, see upstream.Leg.start).
+        self.on_done = None
 
     # ---- reading (the caller's side) ----------------------------------------------------
     @property
@@ -81,6 +84,25 @@ class UpstreamResponse:
     @property
     def complete(self) -> bool:
         return self._state == _DONE
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def when_done(self, callback) -> None:
+        """Calls `callback()` once the answer is complete or has failed (at once if it is)."""
+        if self._state == _DONE or self._error is not None:
+            callback()
+        else:
+            self.on_done = callback
+
+    def body_nowait(self) -> bytes:
+        """The buffered body (all of it once `complete`)."""
+        data = b"".join(self._pieces)
+        self._pieces.clear()
+        self._buffered = 0
+        self._conn.resume()
+        return data
 
     async def readany(self) -> bytes:
         """The next piece of the body; b"" once it is complete."""
@@ -98,6 +120,8 @@ class UpstreamResponse:
             await self._wait()
 
     async def read(self) -> bytes:
+        if self._state == _DONE and self._error is None:  # all in already: the usual case
+            return self.body_nowait()
         chunks = []
         while data := await self.readany():
             chunks.append(data)
@@ -138,6 +162,9 @@ class UpstreamResponse:
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        if self.on_done is not None and (self._state == _DONE or self._error is not None):
+            on_done, self.on_done = self.on_done, None
+            on_done()
 
     def fail(self, error: BaseException) -> None:
         if self._error is None and self._state != _DONE:
@@ -314,17 +341,9 @@ class ConnectionPool:
     async def post(self, scheme: str, host: str, port: int, path: str, body: bytes,
                    extra_headers: bytes = b"") -> UpstreamResponse:
         """Sends the request; returns once the status line and headers are in."""
-        key = (scheme, host, port)
-        conn = self._take_idle(key) or await self._connect(key)
-        response = UpstreamResponse(conn)
-        conn.response = response
-        self.busy.add(conn)
-        loop = asyncio.get_running_loop()
-        response._timer = loop.call_later(self.request_timeout_s, self._expire, response)
-        conn.transport.write(
-            b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n%s\r\n%s"
-            % (path.encode(), host.encode(), port, len(body), extra_headers, body))
+        response = self.send_nowait(scheme, host, port, path, body, extra_headers)
+        if response is None:
+            response = await self.send(scheme, host, port, path, body, extra_headers)
         try:
             while response._state == _HEAD:
                 if response._error is not None:
@@ -333,6 +352,34 @@ class ConnectionPool:
         except BaseException:
             response.close()
             raise
+        return response
+
+    def send_nowait(self, scheme: str, host: str, port: int, path: str, body: bytes,
+                    extra_headers: bytes = b"") -> UpstreamResponse | None:
+        """Writes the request on an idle pooled connection, without waiting: the answer comes
+        into the returned response. None when no idle connection is left (see `send`)."""
+        conn = self._take_idle((scheme, host, port))
+        return None if conn is None else self._write(conn, path, body, extra_headers)
+
+    async def send(self, scheme: str, host: str, port: int, path: str, body: bytes,
+                   extra_headers: bytes = b"") -> UpstreamResponse:
+        """Like `send_nowait`, opening a new connection when no idle one is left."""
+        key = (scheme, host, port)
+        conn = self._take_idle(key) or await self._connect(key)
+        return self._write(conn, path, body, extra_headers)
+
+    def _write(self, conn: _Connection, path: str, body: bytes,
+               extra_headers: bytes) -> UpstreamResponse:
+        response = UpstreamResponse(conn)
+        conn.response = response
+        self.busy.add(conn)
+        response._timer = asyncio.get_running_loop().call_later(
+            self.request_timeout_s, self._expire, response)
+        host, port = conn.key[1], conn.key[2]
+        conn.transport.write(  # head and body in one write: one send() per request
+            b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n%s\r\n%s"
+            % (path.encode(), host.encode(), port, len(body), extra_headers, body))
         return response
 
     def _expire(self, response: UpstreamResponse) -> None:

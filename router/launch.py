@@ -7,6 +7,7 @@ SHUTDOWN_GRACE_S to finish, then the background loops stop and pooled connection
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -20,6 +21,16 @@ logger = logging.getLogger("pdserve.router")
 SHUTDOWN_GRACE_S = 30.0
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop when it is installed (it cuts the router's per-request CPU, see
+    docs/benchmarks.md, Router), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def run_router(args: RouterArgs) -> int:
     configure_logging(args.log_level, "router")
     state = RouterState(args)
@@ -29,5 +40,6 @@ def run_router(args: RouterArgs) -> int:
                 mode, args.host, args.port, args.resolved_prefill_policy,
                 args.resolved_decode_policy, args.policy)
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
-                access_log=None, print=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+                access_log=None, print=None, shutdown_timeout=SHUTDOWN_GRACE_S,
+                loop=new_event_loop())
     return 0

@@ -60,6 +60,20 @@ class RouterMetrics:
             "pdserve_router_retries", "Legs sent again after a refused connection", ["role"],
             registry=self.registry)
         self.registry.register(_WorkerCollector(workers))
+        self._counted: dict[tuple[str, int], object] = {}  # labelled children, looked up once
+        self._timed: dict[str, object] = {}
+
+    def count_request(self, route: str, status: int, seconds: float | None) -> None:
+        """One finished HTTP request; `seconds` (inference routes) goes to the histogram."""
+        child = self._counted.get((route, status))
+        if child is None:
+            child = self._counted[(route, status)] = self.http_requests.labels(route, str(status))
+        child.inc()
+        if seconds is not None:
+            timer = self._timed.get(route)
+            if timer is None:
+                timer = self._timed[route] = self.latency.labels(route)
+            timer.observe(seconds)
 
     def on_leg_failure(self, worker: Worker, kind: str) -> None:
         self.upstream_failures.labels(worker.url, worker.role.value, kind).inc()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -37,6 +38,7 @@ from router.http_client import (
 from router.workers import Worker
 
 JSON = "application/json"
+_CONNECTING: set[asyncio.Task] = set()  # Leg.start's connect-then-send tasks
 
 
 def new_session(connect_timeout_s: float, request_timeout_s: float) -> aiohttp.ClientSession:
@@ -96,6 +98,7 @@ class Leg:
         self.response: UpstreamResponse | None = None
         self.settled = False
         self.opened = False
+        self._sending: asyncio.Task | None = None  # start(): connecting first
 
     async def open(self) -> UpstreamResponse:
         """Sends the request; returns once the worker's status line and headers are in."""
@@ -110,6 +113,57 @@ class Leg:
         except BaseException as exc:
             raise self.failure_from(exc) from None
         return self.response
+
+    def start(self, on_done: Callable[[LegFailure | None, bytes], None],
+              charge: Callable[[], bool]) -> None:
+        """Callback style, for a leg that nobody awaits (the PD prefill leg): sends the request
+        (at once on an idle pooled connection, else from a task that connects first) and, when
+        the whole answer is in or the leg failed, settles the leg and calls
+        `on_done(failure or None, body)`. A >= 500 answer is charged if `charge()` says so.
+        `finish(None)` before that cancels it (no callback, nothing charged)."""
+        worker = self.worker
+        worker.inflight += 1
+        worker.breaker.on_dispatch()
+        self.opened = True
+
+        def complete() -> None:
+            response = self.response
+            if response.error is not None:
+                failure = self.failure_from(response.error)
+                on_done(failure, b"")
+                return
+            body = response.body_nowait()
+            if response.status >= 400:
+                on_done(self._status_failure(body, charge()), body)
+            else:
+                self.finish(True)
+                on_done(None, body)
+
+        self.response = self.pool.send_nowait(
+            worker.scheme, worker.host, worker.port, worker.base_path + self.path,
+            self.payload, self.extra_headers)
+        if self.response is not None:
+            self.response.when_done(complete)
+            return
+
+        async def connect_and_send() -> None:
+            try:
+                self.response = await self.pool.send(
+                    worker.scheme, worker.host, worker.port, worker.base_path + self.path,
+                    self.payload, self.extra_headers)
+            except BaseException as exc:
+                failure = self.failure_from(exc)
+                if not isinstance(failure, LegFailure):
+                    raise failure from None
+                on_done(failure, b"")
+                return
+            finally:
+                self._sending = None
+            self.response.when_done(complete)
+
+        self._sending = asyncio.get_running_loop().create_task(connect_and_send())
+        _CONNECTING.add(self._sending)  # held until done, even if nobody else holds the leg
+        self._sending.add_done_callback(_CONNECTING.discard)
 
     async def read(self) -> bytes:
         try:
@@ -140,7 +194,9 @@ class Leg:
         """The worker answered >= 400: its own body, to pass on unchanged. A 4xx is the
         request's fault (the worker is fine); a 5xx is charged unless `charge` is False (the
         dispatcher's call when the partner leg's worker is the likelier culprit)."""
-        body = await self.read()
+        return self._status_failure(await self.read(), charge)
+
+    def _status_failure(self, body: bytes, charge: bool) -> LegFailure:
         status = self.response.status
         content_type = self.response.content_type
         failure = LegFailure(self.worker, "status" if status >= 500 else "client_error",
@@ -159,6 +215,8 @@ class Leg:
         if self.settled:
             return
         self.settled = True
+        if self._sending is not None and self._sending is not asyncio.current_task():
+            self._sending.cancel()
         worker = self.worker
         if self.opened:
             worker.inflight -= 1
@@ -168,6 +226,8 @@ class Leg:
             worker.breaker.record_failure()
         else:
             worker.breaker.release_probe()
+        if self.response is not None:
+            self.response.on_done = None
         if self.response is not None and success is not True:
             self.response.close()  # a half-read answer: drop the connection, do not pool it
         elif self.response is not None:

@@ -217,7 +217,9 @@ def test_zero_workers_fast_503_with_a_clear_message(fleet):
     with RouterProcess("--pd-disaggregation", "--prefill", prefill.url, *FAST_HEALTH,
                        ready=False) as router:
         status, answer, elapsed = timed_post(router.url + "/generate", {"text": "hi"})
-        assert status == 503 and elapsed < 0.5
+        # "fast": no wait on any timeout (connect 5 s, request 1,800 s); the bound leaves room
+        # for a loaded 2-core CI machine
+        assert status == 503 and elapsed < 2.0
         assert answer["error"] == {"message": "no decode worker is registered",
                                    "type": "service_unavailable", "param": None, "code": 503}
         assert urllib_status(router.url + "/health") == 503

@@ -315,3 +315,44 @@ async def test_http_client_refused_and_timeout_errors(echo_server):
         assert not pool.busy and not any(pool.idle.values())  # a timed-out one is not reused
     finally:
         pool.close()
+
+
+async def test_leg_start_settles_by_callback_on_fresh_and_pooled_connections(echo_server):
+    """The PD prefill leg runs without a task: `Leg.start` sends (connecting first when no
+    idle connection is pooled) and calls back once with (failure, body); `finish(None)` before
+    that cancels it without a callback or a charge."""
+    from server_utils import free_port
+
+    from router.upstream import Leg, LegFailure
+
+    port, _ = echo_server
+    pool = ConnectionPool(connect_timeout_s=1.0, request_timeout_s=5.0)
+    worker = Worker(f"http://127.0.0.1:{port}", Role.PREFILL, CircuitBreaker(1, 1, 60.0))
+    worker.health = Health.HEALTHY
+    loop = asyncio.get_running_loop()
+
+    async def run(path: str, target: Worker = worker) -> tuple[LegFailure | None, bytes]:
+        done = loop.create_future()
+        Leg(pool, target, path, b'{"a": 1}', b"").start(
+            lambda failure, body: done.set_result((failure, body)), lambda: True)
+        return await asyncio.wait_for(done, 5)
+
+    try:
+        for _ in range(2):  # first on a new connection, then on the pooled one
+            assert await run("/ok") == (None, b'echo:{"a": 1}')
+        assert worker.inflight == 0 and sum(len(v) for v in pool.idle.values()) == 1
+        failure, _ = await run("/chunked")
+        assert failure is None
+        gone = Worker(f"http://127.0.0.1:{free_port()}", Role.PREFILL, CircuitBreaker(1, 1, 60.0))
+        failure, _ = await run("/x", gone)
+        assert failure.kind == "connect" and gone.breaker.state is BreakerState.OPEN
+        called = []
+        leg = Leg(pool, worker, "/slow", b"{}", b"")
+        leg.start(lambda *a: called.append(a), lambda: True)
+        await asyncio.sleep(0.1)
+        leg.finish(None)
+        await asyncio.sleep(0.1)
+        assert called == [] and worker.inflight == 0
+        assert worker.breaker.state is BreakerState.CLOSED
+    finally:
+        pool.close()
