@@ -9,7 +9,6 @@ sent one, else the body's `rid` (inference routes), else a fresh uuid4 hex; it c
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -17,7 +16,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from common.server.errors import ApiError, error_response
+from common.server.errors import ApiError, error_response, handle_errors
 from router import admin, info_api
 from router.auth import OPEN_PATHS, is_authorized
 from router.dispatch import dispatch_pd, dispatch_plain
@@ -42,7 +41,7 @@ async def router_middleware(request: web.Request, handler):
                                   None, 401)
         response.headers["WWW-Authenticate"] = "Bearer"
     else:
-        response = await _handle(request, handler)
+        response = await handle_errors(request, handler)
     if not response.prepared:
         response.headers.setdefault("X-Request-Id", request["request_id"])
     resource = request.match_info.route.resource
@@ -50,22 +49,6 @@ async def router_middleware(request: web.Request, handler):
     state.metrics.count_request(route, response.status,
                                 time.perf_counter() - started if route in INFERENCE else None)
     return response
-
-
-async def _handle(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return exc.response()
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            return error_response(exc.reason, None, exc.status)
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        logger.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response("internal server error", None, 500)
 
 
 def inference_handler(route: str, path: str):

@@ -216,6 +216,8 @@ def test_zero_workers_fast_503_with_a_clear_message(fleet):
     prefill = fleet.add("prefill")
     with RouterProcess("--pd-disaggregation", "--prefill", prefill.url, *FAST_HEALTH,
                        ready=False) as router:
+        # the prefill is admitted after its first health checks; only decode is missing then
+        wait_until(lambda: router.workers()[prefill.url]["available"], 10, "prefill admitted")
         status, answer, elapsed = timed_post(router.url + "/generate", {"text": "hi"})
         # "fast": no wait on any timeout (connect 5 s, request 1,800 s); the bound leaves room
         # for a loaded 2-core CI machine

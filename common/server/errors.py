@@ -7,6 +7,8 @@ The shape is OpenAI's, so OpenAI clients parse it, and it names the offending fi
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 
 import msgspec
@@ -100,3 +102,24 @@ def decode_json(body: bytes, type_: type):
         raise from_validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise ApiError(f"malformed JSON body: {exc}") from None
+
+
+logger = logging.getLogger(__name__)
+
+
+async def handle_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Run a handler; every error becomes a JSON answer in OpenAI's shape (an unexpected one a
+    logged 500), never a traceback page. Cancellation and client resets pass through."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(exc.reason, None, exc.status)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response("internal server error", None, 500)

@@ -16,7 +16,7 @@ from aiohttp import web
 from common.messages.sampling import SamplingParams
 from common.messages.scheduler_input import GenerateRequest
 from common.server.context import CTX, ServerContext
-from common.server.errors import ApiError, decode_json, error_response
+from common.server.errors import ApiError, decode_json, error_response, handle_errors
 from common.server.generate_api import handle_generate
 from common.server.loads_api import (
     handle_change_rank,
@@ -33,29 +33,13 @@ HEALTH_GENERATE_TIMEOUT = 20.0
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    response = await _handle(request, handler)
+    response = await handle_errors(request, handler)
     metrics = request.app[CTX].metrics
     if metrics is not None:
         route = request.match_info.route.resource
         name = route.canonical if route is not None else "unmatched"
         metrics.http_requests.labels(name, str(response.status)).inc()
     return response
-
-
-async def _handle(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return exc.response()
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            return error_response(exc.reason, None, exc.status)
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        logger.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response("internal server error", None, 500)
 
 
 async def handle_health(request: web.Request) -> web.Response:
