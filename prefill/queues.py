@@ -248,7 +248,7 @@ class PrefillQueues:
         self._by_rid.pop(entry.msg.rid, None)
         self.bootstrap.pop(room, None)
         if self.forward.pop(room, None) is not None:
-            return self.engine.abort(entry.msg.rid, message) or [
+            return self.engine.abort(entry.msg.rid, message, status) or [
                 self._refuse(entry.msg, message, status)]
         return [self._refuse(entry.msg, message, status)]
 

@@ -114,10 +114,14 @@ async def test_client_leaving_decode_releases_the_room_on_both_sides(tiny_llama_
         await asyncio.gather(leaving, return_exceptions=True)
         await wait_for_load(session, d.url, "num_transfer_reqs", 0)
         pool_whole(d)
-        # decode's KVAbort reached prefill: a late prefill request for the room finds no
-        # destination and ends at its bootstrap timeout instead of computing for nobody
+        # A late prefill request for the room never computes for nobody: if decode's KVAbort
+        # got to prefill first, the request finds no destination and ends at its bootstrap
+        # timeout; if the request got there first (the abort travels on its own), the abort
+        # fails it. Either way, a clear error and no KV held.
         status, err = await post(session, p.url + "/generate", body(p, 41))
-        assert status == 504 and "phase bootstrap" in err["error"]["message"]
+        message = err["error"]["message"]
+        assert (status == 504 and "phase bootstrap" in message) or (
+            status == 502 and "decode gave up" in message), (status, err)
         pool_whole(p)
 
 

@@ -296,3 +296,21 @@ def test_prefill_transfer_timeout_answers_at_once_and_frees_when_the_sender_lets
     pair.turn()  # decode failed too (its own timeout or prefill's word) and released its pages
     assert pair.decode_finish["r"].type == "abort"
     assert pair.pools_whole()
+
+
+def test_decode_giving_up_during_prefill_forward_is_an_error_for_prefill_client(pair):
+    from common.messages.kv_bootstrap import KVAbort
+
+    msg = pair.request("r", PROMPTS[3], greedy(4))
+    pair.collect_prefill(pair.p.add(msg))
+    pair.collect_decode(pair.d.add(msg))
+    pair.turn()  # decode sent its indices
+    kv = pair.to_prefill.pop()
+    pair.collect_prefill(pair.p.on_kv_request(kv))
+    assert pair.p.forward
+    pair.collect_prefill(pair.p.on_kv_abort(KVAbort(room=kv.room, reason="client left")))
+    reason = pair.prefill_finish["r"]
+    assert reason.type == "abort" and reason.status == 502 and "decode gave up" in reason.message
+    pair.collect_decode(pair.d.abort("r", "client left"))
+    pair.run()
+    assert pair.pools_whole()

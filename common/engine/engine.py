@@ -110,11 +110,14 @@ class EngineCore:
             return [self._finish(req)]
         return [self.delta(req)] if req.stream else []
 
-    def abort(self, rid: str, message: str = "aborted") -> list[TokenDelta]:
+    def abort(self, rid: str, message: str = "aborted",
+              status: int | None = None) -> list[TokenDelta]:
+        """Finish a request now and free its pages; `status` is the HTTP error its client gets
+        (None: the client is gone or asked for it)."""
         req = self.reqs.get(rid)
         if req is None:
             return []
-        req.finish_reason = FinishReason(type="abort", message=message)
+        req.finish_reason = FinishReason(type="abort", message=message, status=status)
         return [self._finish(req)]
 
     def flush_cache(self) -> tuple[bool, str]:
