@@ -37,8 +37,4 @@ class DecodeRole:
         return self.channel.pull
 
     def on_control(self) -> list[TokenDelta]:
-        deltas: list[TokenDelta] = []
-        for msg in self.channel.receive():
-            if isinstance(msg, KVStatus):
-                deltas += self.queues.on_status(msg)
-        return deltas
+        return self.channel.dispatch({KVStatus: self.queues.on_status})

@@ -95,7 +95,7 @@ class PrefillQueues:
                                       "router)", 400, "bootstrap_room")]
         if msg.rid in self._by_rid or msg.rid in self.engine.reqs:
             return [self._refuse(msg, f"rid {msg.rid!r} is already in flight", 409, "rid")]
-        if room in self._by_room():
+        if self._entry_for_room(room) is not None:
             return [self._refuse(msg, f"bootstrap_room {room} is already in flight", 409,
                                  "bootstrap_room")]
         owner = room % self.num_dp_slots
@@ -141,7 +141,7 @@ class PrefillQueues:
 
     def on_kv_abort(self, abort: KVAbort) -> list[TokenDelta]:
         self.early.pop(abort.room, None)
-        entry = self._by_room().get(abort.room)
+        entry = self._entry_for_room(abort.room)
         if entry is None:
             return []
         return self._fail(entry, f"decode gave up on the request: {abort.reason}", 502,
@@ -263,8 +263,8 @@ class PrefillQueues:
                                          param=param)
         return self.engine.delta(req)
 
-    def _by_room(self) -> dict[int, _Entry]:
-        return {**self.bootstrap, **self.forward, **self.inflight}
+    def _entry_for_room(self, room: int) -> _Entry | None:
+        return self.bootstrap.get(room) or self.forward.get(room) or self.inflight.get(room)
 
     # ---- accounting ---------------------------------------------------------------------
     def has_work(self) -> bool:

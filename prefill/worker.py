@@ -15,7 +15,7 @@ from common.config import ServerArgs
 from common.engine.engine import EngineCore
 from common.messages.kv_bootstrap import KVAbort, KVRequest, RankRegistration
 from common.messages.detokenizer_input import TokenDelta
-from common.server.pd_control import ControlChannel, advertise_host
+from common.server.pd_control import ControlChannel, advertise_host, is_wildcard
 from common.transfer.registry import make_sender, resolve_backend
 from common.transfer.tcp import pool_layout
 from prefill.queues import PrefillQueues, PrefillTimeouts
@@ -30,7 +30,7 @@ def bootstrap_url(args: ServerArgs) -> str:
     if args.nnodes > 1:
         host = args.dist_init_addr.rpartition(":")[0]
     else:
-        host = args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        host = "127.0.0.1" if is_wildcard(args.host) else args.host
     return f"http://{host}:{args.disaggregation_bootstrap_port}/route"
 
 
@@ -76,10 +76,5 @@ class PrefillRole:
         return self.channel.pull
 
     def on_control(self) -> list[TokenDelta]:
-        deltas: list[TokenDelta] = []
-        for msg in self.channel.receive():
-            if isinstance(msg, KVRequest):
-                deltas += self.queues.on_kv_request(msg)
-            elif isinstance(msg, KVAbort):
-                deltas += self.queues.on_kv_abort(msg)
-        return deltas
+        return self.channel.dispatch({KVRequest: self.queues.on_kv_request,
+                                      KVAbort: self.queues.on_kv_abort})

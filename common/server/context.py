@@ -63,17 +63,22 @@ class ServerContext:
         for rid in rids:
             if self.frontend.is_inflight(rid):
                 raise ApiError(f"rid {rid!r} is already in flight", "rid", 409)
-        if self.args.disaggregation_mode != "null":
-            for r in reqs:
-                if r.bootstrap_room in self.rooms:
-                    raise ApiError(f"bootstrap_room {r.bootstrap_room} is already in flight",
-                                   "bootstrap_room", 409)
+        self._check_rooms_free(reqs)
+
+    def _check_rooms_free(self, reqs: list[GenerateRequest]) -> None:
+        if self.args.disaggregation_mode == "null":
+            return
+        for r in reqs:
+            if r.bootstrap_room in self.rooms:
+                raise ApiError(f"bootstrap_room {r.bootstrap_room} is already in flight",
+                               "bootstrap_room", 409)
 
     def claim_rooms(self, reqs: list[GenerateRequest]) -> list[int]:
-        """Rooms taken by these requests until `release_rooms` (PD services only)."""
+        """Rooms taken by these requests until `release_rooms` (PD services only). Checked
+        again here: another request may have taken one since `check_rids_free`."""
         if self.args.disaggregation_mode == "null":
             return []
-        self.check_rids_free(reqs)
+        self._check_rooms_free(reqs)
         rooms = [r.bootstrap_room for r in reqs]
         self.rooms.update(rooms)
         return rooms

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -19,10 +20,15 @@ from common.messages import kv_bootstrap
 logger = logging.getLogger(__name__)
 
 
+def is_wildcard(host: str) -> bool:
+    """A bind address meaning every interface, which peers cannot dial as such."""
+    return host in ("0.0.0.0", "::", "")
+
+
 def advertise_host(bind_host: str) -> str:
     """The address peers use to reach this machine: the bind address unless it is a wildcard,
     then this host's name resolved (a pod IP on Kubernetes)."""
-    if bind_host not in ("0.0.0.0", "::", ""):
+    if not is_wildcard(bind_host):
         return bind_host
     try:
         return socket.gethostbyname(socket.gethostname())
@@ -52,6 +58,15 @@ class ControlChannel:
         except zmq.Again:
             logger.warning("control message to %s dropped: the peer is not keeping up", endpoint)
             return False
+
+    def dispatch(self, handlers: dict[type, Callable[[object], list]]) -> list:
+        """Every waiting message to the handler of its type; their outputs concatenated."""
+        out: list = []
+        for msg in self.receive():
+            handler = handlers.get(type(msg))
+            if handler is not None:
+                out += handler(msg)
+        return out
 
     def receive(self) -> list:
         out = []

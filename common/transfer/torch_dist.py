@@ -49,9 +49,10 @@ SENDER, RECEIVER = 0, 1
 TAG = 0
 
 
-def _token_index(pool: PagedKVPool, runs: Sequence[PageRun], dst: bool) -> torch.Tensor:
+def _source_token_index(pool: PagedKVPool, runs: Sequence[PageRun]) -> torch.Tensor:
+    """Token slots of the runs' source pages, in run order (the payload's order)."""
     ps = pool.page_size
-    starts = [(r.dst if dst else r.src) * ps for r in runs]
+    starts = [r.src * ps for r in runs]
     parts = [torch.arange(start, start + r.length * ps) for start, r in zip(starts, runs)]
     if not parts:
         return torch.empty(0, dtype=torch.long, device=pool.k.device)
@@ -94,7 +95,7 @@ class TorchPairChannel:
 
     def send_transfer(self, pool: PagedKVPool, room: int, runs: Sequence[PageRun],
                       trailer: TransferTrailer) -> None:
-        index = _token_index(pool, runs, dst=False)
+        index = _source_token_index(pool, runs)
         # One gather per layer and kind straight into the payload (no intermediate copies).
         payload = torch.empty((pool.k.shape[0], 2, len(index), *pool.k.shape[2:]),
                               dtype=pool.k.dtype, device=pool.k.device)
