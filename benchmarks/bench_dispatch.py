@@ -4,25 +4,26 @@
     python benchmarks/bench_dispatch.py --quick    # a few seconds (used by the test)
     python benchmarks/bench_dispatch.py --skip-controller     # balance simulation only
 
-Part 1, the real controller process (SPEC section 2). A "front end" (this process) PUSHes
+Part 1, the real controller process (SPEC section 2). A "front end" (this process) writes
 exactly what `FrontEnd(via_controller=True)` sends: `scheduler_input.controller_frames`, i.e.
-[routing header, GenerateRequest] multipart messages (random `bootstrap_room` for
+[routing header, GenerateRequest] messages on the controller's Unix stream socket
+(`common/server/frame_stream.py`; random `bootstrap_room` for
 follow_bootstrap_room), to the real `run_controller_process` (the launcher's target:
 `Dispatcher` + `ControllerLoop`), one per method, started with multiprocessing spawn, 4 ranks, a
 real shared-memory `LoadBoard`. The "schedulers" are 4 PULL sockets in one receiver process that
 take every message at once and timestamp it; the same process binds the front end's
 `frontend_input` (it drains and counts the controllers' `DispatchReport`s) and publishes a fresh
 snapshot per rank to the board every 5 ms, so the load-aware methods really refresh from it.
-Four baseline forwarders wired the same way split the controller's cost: recv -> send of
-single-frame requests (the floor of any Python forwarder); + a routing-only decode of the whole
-request (`input_ids` as msgspec.Raw: the controller's work before the header frame); the
-[header, request] frames with the header decoded and the request frame forwarded (the
-controller's work minus the Dispatcher); the same behind a zmq.Poller wait and NOBLOCK drain
-(the controller's loop when it owns the multi-node load relay). `--reference REF` also runs the
-controller of commit REF (its `common/` from `git archive`, in a subprocess), fed single-frame
-requests unless that commit has `controller_frames`: the before/after in one run.
+Three baseline forwarders wired the same way split the controller's cost: a bare ZMQ PULL ->
+PUSH relay of single-frame requests (the floor of any Python forwarder behind ZMQ); the
+[header, request] frames on a ZMQ PULL with the header decoded and the request frame forwarded
+(the previous controller's transport, minus the Dispatcher); the same frames read from a Unix
+stream socket behind a poller (the controller's transport, minus the Dispatcher).
+`--reference REF` also runs the controller of commit REF (its `common/` from `git archive`, in a
+subprocess), fed as that commit's front end fed it (ZMQ before the stream socket, single frames
+before `controller_frames`): the before/after in one run.
 
-* Throughput: N pre-encoded requests sent as fast as the PUSH socket takes them; dispatches/s
+* Throughput: N pre-encoded requests sent as fast as the controller takes them; dispatches/s
   = N / (last arrival at any scheduler socket - first send). Best and median of `--repeats`,
   the processes taking turns. Process CPU time (from /proc) per dispatch.
 * Latency: one request at a time, send -> arrival at a scheduler socket (both timestamps on
@@ -58,6 +59,7 @@ import os
 import platform
 import pstats
 import random
+import socket
 import statistics
 import struct
 import sys
@@ -87,6 +89,7 @@ from common.loads.snapshot import LoadSnapshot  # noqa: E402
 from common.messages import launch, scheduler_input  # noqa: E402
 from common.messages.sampling import SamplingParams  # noqa: E402
 from common.messages.scheduler_input import GenerateRequest  # noqa: E402
+from common.server import frame_stream  # noqa: E402
 from common.server.ipc import IpcPaths  # noqa: E402
 from common.server.process_utils import die_with_parent  # noqa: E402
 
@@ -325,26 +328,23 @@ class MethodResult:
 
 # Python forwarders that do part of the controller's work, to split its cost (same wiring).
 RELAYS = {
-    "plain": "baseline: relay, recv -> send",
-    "whole": "baseline: relay + routing decode of the whole request",
-    "header": "baseline: relay, [header, request] + header decode",
-    "poll": "baseline: relay, [header, request] + header decode, Poller/NOBLOCK",
+    "plain": "baseline: ZMQ relay, recv -> send",
+    "header": "baseline: ZMQ relay, [header, request] + header decode",
+    "stream": "baseline: stream relay, [header, request] + header decode",
 }
-RELAY_FRAMING = {"plain": "single", "whole": "single", "header": "controller",
-                 "poll": "controller"}
+RELAY_FRAMING = {"plain": "single", "header": "controller", "stream": "controller"}
+RELAY_TRANSPORT = {"plain": "zmq", "header": "zmq", "stream": "stream"}
 
 
 def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, ready) -> None:
-    """Forward every request to the next rank. "plain": single-frame requests, blocking
-    recv -> send, nothing decoded (the floor of any Python forwarder); "whole": + a routing-only
-    decode of the whole request (the controller's work before the header frame); "header":
-    [header, request] messages, the header decoded, the request frame forwarded zero-copy (the
-    controller's work without the Dispatcher); "poll": the same behind a zmq.Poller wait and a
-    NOBLOCK drain (the controller's loop when it owns the multi-node load relay)."""
+    """Forward every request to the next rank. "plain": single-frame requests on a ZMQ PULL,
+    blocking recv -> send, nothing decoded (the floor of any Python forwarder behind ZMQ);
+    "header": [header, request] messages on a ZMQ PULL, the header decoded, the request frame
+    forwarded zero-copy (the previous controller without its Dispatcher); "stream": the same
+    messages read from a Unix stream socket behind a poller, as the controller reads them (the
+    controller without its Dispatcher and reports)."""
     die_with_parent()
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(in_addr)
     outs = []
     for addr in out_addrs:
         s = ctx.socket(zmq.PUSH)
@@ -352,46 +352,42 @@ def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, 
         outs.append(s)
     to_frontend = ctx.socket(zmq.PUSH)
     to_frontend.connect(report_addr)
+    route = scheduler_input.route_decoder.decode
+    i, n = 0, len(outs)
+    if kind == "stream":
+        listener = frame_stream.listen(in_addr)
+        ready.send_bytes(b"ready")
+        ready.close()
+        conn, _ = listener.accept()
+        reader = frame_stream.FrameReader(conn)
+        poller = zmq.Poller()
+        poller.register(conn, zmq.POLLIN)
+        while True:
+            poller.poll()
+            messages = reader.read()
+            if messages is None:
+                return
+            for head, body in messages:
+                route(head)
+                outs[i].send(body)
+                i = (i + 1) % n
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(in_addr)
     ready.send_bytes(b"ready")
     ready.close()
-    i, n = 0, len(outs)
     recv = pull.recv
     if kind == "plain":
         while True:
             outs[i].send(recv())
             i = (i + 1) % n
-    if kind == "whole":
-        decode = whole_request_route_decoder.decode
-        while True:
-            raw = recv()
-            encoded_array_len(decode(raw).input_ids)
-            outs[i].send(raw)
-            i = (i + 1) % n
-    route = scheduler_input.route_decoder.decode
-    if kind == "header":  # as the controller: frames, `.more` instead of getsockopt
-        while True:
-            head = recv(copy=False)
-            if head.more:
-                body = recv(copy=False)
-                if not body.more:
-                    route(head)
-                    outs[i].send(body, copy=False)
-                    i = (i + 1) % n
-    poller = zmq.Poller()
-    poller.register(pull, zmq.POLLIN)
-    while True:
-        poller.poll()
-        while True:
-            try:
-                head = recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            frames = [head]
-            while frames[-1].more:
-                frames.append(recv(copy=False))
-            route(head)
-            outs[i].send(frames[1], copy=False)
-            i = (i + 1) % n
+    while True:  # "header", as the previous controller: frames, `.more`, zero-copy forward
+        head = recv(copy=False)
+        if head.more:
+            body = recv(copy=False)
+            if not body.more:
+                route(head)
+                outs[i].send(body, copy=False)
+                i = (i + 1) % n
 
 
 REFERENCE_CHILD = """
@@ -418,6 +414,7 @@ class Reference:
     sha: str
     root: str
     framing: str
+    transport: str  # how its controller takes input: "stream" (frame_stream) or "zmq"
 
 
 def extract_reference(ref: str, tmpdir: str) -> Reference:
@@ -433,7 +430,10 @@ def extract_reference(ref: str, tmpdir: str) -> Reference:
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(root)
     src = (Path(root) / "common" / "messages" / "scheduler_input.py").read_text()
-    return Reference(ref, sha, root, "controller" if "def controller_frames" in src else "single")
+    transport = "stream" if (Path(root) / "common" / "server" / "frame_stream.py").exists() \
+        else "zmq"
+    return Reference(ref, sha, root, "controller" if "def controller_frames" in src else "single",
+                     transport)
 
 
 class ChildProcess:
@@ -461,12 +461,28 @@ class ChildProcess:
         return self.popen.poll() is None
 
 
+class StreamFeeder:
+    """The front end's end of a controller's stream socket, with a ZMQ socket's method names
+    (blocking: a controller that falls behind slows the sender, as a ZMQ high-water mark
+    does)."""
+
+    def __init__(self, path: str):
+        self.sock = frame_stream.connect(path)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        self.sock.sendmsg(frame_stream.encode_message(frames))
+
+    def close(self, linger: int = 0) -> None:
+        self.sock.close()
+
+
 @dataclass
 class Endpoint:
     name: str
     tag: str  # first character of the rids sent to it (reports are counted per tag)
     proc: multiprocessing.process.BaseProcess | ChildProcess
-    push: zmq.Socket
+    push: zmq.Socket | StreamFeeder
     framing: str = "controller"  # how its front end frames requests (FRAMINGS)
     method: str = "round_robin"  # the requests it gets (random rooms for follow_bootstrap_room)
 
@@ -528,7 +544,7 @@ class Rig:
         """The launcher's own target, `run_controller_process`, as the launcher starts it."""
         ipc = IpcPaths(
             folder=self.folder,
-            controller_input=f"ipc://{self.folder}/controller-{method}",
+            controller_input=f"{self.folder}/controller-{method}.sock",
             detokenizer_input=self.base.detokenizer_input,
             frontend_input=self.base.frontend_input,
         )
@@ -545,7 +561,8 @@ class Rig:
         ready = launch.decoder.decode(self._wait_started(proc, reader, "the controller"))
         if not isinstance(ready, launch.ProcessReady):
             raise RuntimeError(f"controller failed to start: {ready}")
-        return self._add(method, tag, proc, ipc.controller_input, method=method)
+        return self._add(method, tag, proc, ipc.controller_input, method=method,
+                         transport="stream")
 
     def start_reference(self, ref: Reference, method: str, tag: str) -> Endpoint:
         """The controller of another commit, in a subprocess importing that commit's code."""
@@ -553,9 +570,10 @@ class Rig:
         import json
         import subprocess
 
+        where = f"{self.folder}/reference-{method}"
         ipc = IpcPaths(
             folder=self.folder,
-            controller_input=f"ipc://{self.folder}/reference-{method}",
+            controller_input=f"{where}.sock" if ref.transport == "stream" else f"ipc://{where}",
             detokenizer_input=self.base.detokenizer_input,
             frontend_input=self.base.frontend_input,
         )
@@ -574,10 +592,12 @@ class Rig:
         if not isinstance(ready, launch.ProcessReady):
             raise RuntimeError(f"reference controller failed to start: {ready}")
         return self._add(f"{method} @ {ref.sha}", tag, proc, ipc.controller_input,
-                         framing=ref.framing, method=method)
+                         framing=ref.framing, method=method, transport=ref.transport)
 
     def start_relay(self, kind: str, tag: str) -> Endpoint:
-        addr = f"ipc://{self.folder}/relay-{kind}"
+        transport = RELAY_TRANSPORT[kind]
+        addr = (f"{self.folder}/relay-{kind}.sock" if transport == "stream"
+                else f"ipc://{self.folder}/relay-{kind}")
         reader, writer = self.mp.Pipe(duplex=False)
         outs = [self.base.scheduler_input_of(r) for r in range(NUM_RANKS)]
         proc = self.mp.Process(target=relay_main,
@@ -586,12 +606,16 @@ class Rig:
         proc.start()
         writer.close()
         self._wait_started(proc, reader, "the relay")
-        return self._add(RELAYS[kind], tag, proc, addr, framing=RELAY_FRAMING[kind])
+        return self._add(RELAYS[kind], tag, proc, addr, framing=RELAY_FRAMING[kind],
+                         transport=transport)
 
     def _add(self, name: str, tag: str, proc, addr: str, framing: str = "controller",
-             method: str = "round_robin") -> Endpoint:
-        push = self.ctx.socket(zmq.PUSH)
-        push.connect(addr)
+             method: str = "round_robin", transport: str = "zmq") -> Endpoint:
+        if transport == "stream":
+            push = StreamFeeder(addr)
+        else:
+            push = self.ctx.socket(zmq.PUSH)
+            push.connect(addr)
         ep = Endpoint(name, tag, proc, push, framing, method)
         self.endpoints.append(ep)
         return ep
@@ -676,7 +700,7 @@ def bench_controllers(rig: Rig, ns: argparse.Namespace, rng: random.Random, log,
     eps = [rig.start_controller(m, tag) for m, tag in zip(METHODS, "abcd")]
     if reference is not None:
         eps += [rig.start_reference(reference, m, tag) for m, tag in zip(METHODS, "efgh")]
-    eps += [rig.start_relay(kind, tag) for kind, tag in zip(RELAYS, "wxyz")]
+    eps += [rig.start_relay(kind, tag) for kind, tag in zip(RELAYS, "xyz")]
     controllers = [ep for ep in eps if not ep.name.startswith("baseline")]
     sent = {ep.tag: 0 for ep in eps}
 
@@ -763,7 +787,7 @@ class InProcessController:
         self.ctx.setsockopt(zmq.SNDHWM, 0)
         self.ctx.setsockopt(zmq.RCVHWM, 0)
         folder = tempfile.mkdtemp(prefix="ipc-prof-", dir=tmpdir)
-        self.ipc = IpcPaths(folder=folder, controller_input=f"ipc://{folder}/controller",
+        self.ipc = IpcPaths(folder=folder, controller_input=f"{folder}/controller.sock",
                             detokenizer_input=f"ipc://{folder}/detok",
                             frontend_input=f"ipc://{folder}/frontend")
         self.sinks = []
@@ -777,8 +801,7 @@ class InProcessController:
         dispatcher = Dispatcher(method, NUM_RANKS, NUM_RANKS, read_loads=board.read_all,
                                 refresh_interval=REFRESH_INTERVAL_S)
         self.loop = ControllerLoop(dispatcher, self.ipc, ctx=self.ctx)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(self.ipc.controller_input)
+        self.feed = frame_stream.connect(self.ipc.controller_input)
         loop = self.loop
         handle_control = loop.handle_control
         self.stop = scheduler_input.encoder.encode(scheduler_input.StatsRequest(request_id=STOP_ID))
@@ -793,13 +816,16 @@ class InProcessController:
 
     def run(self, msgs: list[list[bytes]], profiler: cProfile.Profile | None = None
             ) -> tuple[float, float]:
-        """Queue msgs, then run the real run_forever until all are dispatched: thread CPU s,
-        wall s."""
-        for frames in msgs:
-            self.push.send_multipart(frames)
-        self.push.send(self.stop)
-        time.sleep(0.05 + len(msgs) * 2e-6)  # let the I/O thread move them into the queue
+        """Run the real run_forever until msgs are all dispatched: thread CPU s, wall s. A
+        thread writes them, pre-encoded as one buffer, into the controller's input socket as
+        fast as it reads (one sendall: the writer holds the GIL only between kernel calls)."""
+        import threading
+
+        blob = b"".join(b for frames in [*msgs, [self.stop]]
+                        for b in frame_stream.encode_message(frames))
+        writer = threading.Thread(target=self.feed.sendall, args=(blob,), daemon=True)
         gc.collect()  # this benchmark's garbage, not the controller's
+        writer.start()
         c0, w0 = time.thread_time(), time.perf_counter()
         try:
             if profiler is not None:
@@ -808,7 +834,9 @@ class InProcessController:
                 self.loop.run_forever()
         except _Done:
             pass
-        return time.thread_time() - c0, time.perf_counter() - w0
+        cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
+        writer.join()
+        return cpu, wall
 
     def drain(self) -> None:
         """Empty the sinks (untimed), so memory does not grow from run to run."""
@@ -821,6 +849,8 @@ class InProcessController:
                     break
 
     def close(self) -> None:
+        self.feed.close()
+        self.loop.listener.close()
         self.ctx.destroy(linger=0)
 
 
@@ -841,10 +871,6 @@ def component_costs(reqs: list[GenerateRequest], long_reqs: list[GenerateRequest
     sink.bind(f"ipc://{folder}/sink")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"ipc://{folder}/sink")
-    inbox = ctx.socket(zmq.PULL)
-    inbox.bind(f"ipc://{folder}/inbox")
-    feed = ctx.socket(zmq.PUSH)
-    feed.connect(f"ipc://{folder}/inbox")
 
     def decode(k, src=bodies):
         d = scheduler_input.decoder.decode
@@ -876,22 +902,32 @@ def component_costs(reqs: list[GenerateRequest], long_reqs: list[GenerateRequest
             encoded_array_len(d(m).input_ids)
 
     def relay_frames(src):
-        """recv [header, request] (request frame zero-copy) and send the request frame on: the
-        controller's socket work per request. The messages are queued untimed."""
+        """Read [header, request] messages from a Unix stream socket and send each request
+        frame on: the controller's socket work per request. Fed in chunks the socket buffer
+        holds, untimed; only the reads, the parsing and the sends are timed."""
         def run(k):
-            for fr in src[:k]:
-                feed.send_multipart(fr)
-            while inbox.poll(0) == 0:
-                time.sleep(0.001)
-            time.sleep(0.05 + k * 2e-6)
-            recv = inbox.recv
-            t0 = time.perf_counter()
-            for _ in range(k):
-                recv(copy=False).more
-                body = recv(copy=False)
-                body.more
-                push.send(body, copy=False)
-            return time.perf_counter() - t0
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            reader = frame_stream.FrameReader(b)
+            elapsed, i = 0.0, 0
+            while i < k:
+                chunk, size = [], 0
+                while i < k and size < 64 * 1024:
+                    bufs = frame_stream.encode_message(src[i])
+                    chunk += bufs
+                    size += sum(len(x) for x in bufs)
+                    i += 1
+                a.sendall(b"".join(chunk))
+                t0 = time.perf_counter()
+                got = 0
+                while got < size:
+                    for head, body in reader.read():
+                        # length (4), frame count (2), 2 frame lengths (8), the frames
+                        got += 14 + len(head) + len(body)
+                        push.send(body)
+                elapsed += time.perf_counter() - t0
+            a.close()
+            b.close()
+            return elapsed
         return run
 
     def dispatcher_for(method):
@@ -925,8 +961,8 @@ def component_costs(reqs: list[GenerateRequest], long_reqs: list[GenerateRequest
          "once per 20 ms at most, per refresh"),
         (f"controller: decode the routing header frame ({len(frames[0][0])} bytes)", header, n,
          "RouteHeader: rid, num_tokens, routed_dp_rank, bootstrap_room"),
-        (f"controller: recv [header, request] + send request frame, {prompt} tokens",
-         relay_frames(frames), n, "request frame zero-copy (copy=False)"),
+        (f"controller: read [header, request] + send request frame, {prompt} tokens",
+         relay_frames(frames), n, "stream socket read and parse; the request frame copied"),
         (f"before: routing decode of the whole request, {prompt} tokens", whole, n,
          "input_ids as msgspec.Raw; length from its msgpack header"),
         (f"msgspec decode GenerateRequest ({long_prompt} tokens)",
@@ -939,7 +975,7 @@ def component_costs(reqs: list[GenerateRequest], long_reqs: list[GenerateRequest
          long_n, ""),
         (f"controller: decode the routing header frame, {long_prompt} tokens",
          lambda k: header(k, long_frames), long_n, "the same few bytes"),
-        (f"controller: recv [header, request] + send request frame, {long_prompt} tokens",
+        (f"controller: read [header, request] + send request frame, {long_prompt} tokens",
          relay_frames(long_frames), long_n, ""),
         (f"before: routing decode of the whole request, {long_prompt} tokens",
          lambda k: whole(k, long_bodies), long_n, "msgspec still walks the array to skip it"),
@@ -1359,20 +1395,21 @@ def format_throughput(results: list[MethodResult], ns: argparse.Namespace) -> st
     out += [
         "",
         "Dispatches/s = requests / (first send -> last arrival at a scheduler socket). The front "
-        "end sends pre-encoded requests; once 1,000 are queued (the PUSH high-water mark) it "
-        "waits, so its send rate follows the controller's. Process CPU: all its threads, from "
+        "end sends pre-encoded requests; when the controller's input is full (a ZMQ PUSH's "
+        "1,000-message high-water mark, a stream socket's buffer) it waits, so its send rate "
+        "follows the controller's. Process CPU: all its threads, from "
         "/proc/PID/task/*/schedstat. "
         "Controllers get what `FrontEnd(via_controller=True)` sends ([routing header, request] "
-        "frames, `scheduler_input.controller_frames`); a `METHOD @ COMMIT` row is the controller "
-        "of that commit (`--reference`), fed single-frame requests if it predates the header "
-        "frame. Baselines: Python processes wired like the controller that do only part of its "
-        "work (round robin, no Dispatcher, no reports): `recv()` -> `send()` of single-frame "
-        "requests (the ceiling of any Python forwarder here); + a routing-only decode of the "
-        "whole request (`input_ids` as msgspec.Raw: the controller's decode before the header "
-        "frame); [header, request] frames, the header decoded, the request frame forwarded "
-        "zero-copy (the controller's work minus Dispatcher and reports); the same behind a "
-        "zmq.Poller wait and NOBLOCK drain (the controller's loop when it owns the multi-node "
-        "load relay).",
+        "frames, `scheduler_input.controller_frames`) on their Unix stream socket "
+        "(`frame_stream`); a `METHOD @ COMMIT` row is the controller of that commit "
+        "(`--reference`), fed the way that commit's front end fed it (ZMQ before the stream "
+        "socket, single frames before the header frame). Baselines: Python processes wired like "
+        "the controller that do only part of its work (round robin, no Dispatcher, no reports): "
+        "a ZMQ PULL -> PUSH `recv()` -> `send()` of single-frame requests (the floor of any "
+        "Python forwarder behind ZMQ); [header, request] frames on a ZMQ PULL, the header "
+        "decoded, the request frame forwarded zero-copy (the previous controller's transport); "
+        "the same frames read from a Unix stream socket behind a poller (the controller's "
+        "transport: the controller minus Dispatcher and reports).",
     ]
     return "\n".join(out)
 
@@ -1400,11 +1437,11 @@ def format_latency(results: list[MethodResult], ns: argparse.Namespace) -> str:
         f"arrives), in blocks of {latency_block(ns)} requests per row, the rows taking turns; "
         "\"added\" = the "
         "controller's cost: one more hop plus its processing. The "
-        "baseline rows split that cost: the extra hop alone (single frames), + a routing decode "
-        "of the whole request (the controller's work before the header frame), the two-frame "
-        "message with only the header decoded (the controller's work minus the Dispatcher and "
-        "its reports: one DispatchReport per 10 ms, here one per ~9 requests, sent after a "
-        "forward), and that behind a Poller loop instead of a blocking recv.",
+        "baseline rows split that cost: a bare ZMQ relay (the extra hop alone, as any ZMQ "
+        "forwarder pays it), the previous controller's ZMQ input with the header decode, and "
+        "the controller's own stream-socket input with the header decode (the controller minus "
+        "the Dispatcher and its reports: one DispatchReport per 10 ms, here one per few "
+        "requests).",
     ]
     return "\n".join(out)
 

@@ -69,10 +69,13 @@ def test_quick_benchmark_prints_positive_tables():
     assert "CPU" in out and "torch is not needed" in out
 
     throughput = _table(out, "Controller throughput")
-    names = [r[0] for r in throughput[:8]]
+    rows = len(throughput) // 2  # the methods and the baselines, then again with long prompts
+    names = [r[0] for r in throughput[:rows]]
     assert names[:4] == list(METHODS) and all(n.startswith("baseline") for n in names[4:])
-    assert [r[0] for r in throughput[8:]] == names  # again with long prompts
-    assert {r[1] for r in throughput[:8]} == {"128"} and {r[1] for r in throughput[8:]} == {"2048"}
+    assert len(names) == 7  # 3 baselines: a ZMQ relay, the ZMQ input, the stream input
+    assert [r[0] for r in throughput[rows:]] == names
+    assert {r[1] for r in throughput[:rows]} == {"128"}
+    assert {r[1] for r in throughput[rows:]} == {"2048"}
     for row in throughput:
         assert all(_num(c) > 0 for c in row[2:7]), row  # rates, CPU per dispatch, CPU use
         if row[0] in METHODS:
@@ -130,4 +133,4 @@ def test_benchmark_front_end_sends_what_the_real_front_end_sends(tmp_path):
     assert bench.frame_requests(reqs, "single") == [[si.encoder.encode(r)] for r in reqs]
     ref = bench.extract_reference("HEAD", str(tmp_path))
     assert (Path(ref.root) / "common" / "dp" / "controller.py").is_file()
-    assert ref.framing in bench.FRAMINGS
+    assert ref.framing in bench.FRAMINGS and ref.transport in ("stream", "zmq")

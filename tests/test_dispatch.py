@@ -271,13 +271,10 @@ def controller(tmp_path, monkeypatch):
 
     import common.dp.controller as ctl
     from common.messages import scheduler_input as si
-    from common.server.ipc import IpcPaths
 
     ctx = zmq.Context()
     folder = str(tmp_path)
-    ipc = IpcPaths(folder=folder, controller_input=f"ipc://{folder}/ctl",
-                   detokenizer_input=f"ipc://{folder}/detok",
-                   frontend_input=f"ipc://{folder}/fe")
+    ipc = _ipc(folder)
     scheds = []
     for rank in range(3):
         s = ctx.socket(zmq.PULL)
@@ -305,8 +302,7 @@ def controller(tmp_path, monkeypatch):
             loop.relay = ctx.socket(zmq.PULL)
             loop.relay.bind(f"ipc://{folder}/relay")
             loop.poller.register(loop.relay, zmq.POLLIN)
-        push = ctx.socket(zmq.PUSH)
-        push.connect(ipc.controller_input)
+        push = _Feeder(ipc.controller_input)
         for frames in prequeued:
             push.send_multipart(frames)
         if prequeued:
@@ -329,7 +325,36 @@ def controller(tmp_path, monkeypatch):
         push.send(stop)
         thread.join(5)
         assert not thread.is_alive()
+        push.close()
+        loop.listener.close()
     ctx.destroy(linger=0)
+
+
+class _Feeder:
+    """The front end's side of the controller's input, blocking (a test sends little)."""
+
+    def __init__(self, path: str):
+        from common.server import frame_stream
+
+        self._stream = frame_stream
+        self.sock = frame_stream.connect(path)
+
+    def send_multipart(self, frames) -> None:
+        self._stream.send_blocking(self.sock, frames)
+
+    def send(self, raw: bytes) -> None:
+        self._stream.send_blocking(self.sock, [raw])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _ipc(folder):
+    """A service tree's channel addresses in `folder` (the controller's input: a socket path)."""
+    from common.server.ipc import IpcPaths
+
+    return IpcPaths(folder=str(folder), controller_input=f"{folder}/ctl.sock",
+                    detokenizer_input=f"ipc://{folder}/detok", frontend_input=f"ipc://{folder}/fe")
 
 
 def _req(rid: str, **kw):
@@ -487,34 +512,122 @@ def test_controller_drops_malformed_messages_and_keeps_serving(controller, polle
 
 async def test_front_end_sends_header_frames_to_a_controller_and_plain_frames_otherwise(
         tmp_path):
+    import select
+
     import zmq
 
     from common.messages import scheduler_input as si
+    from common.server import frame_stream
     from common.server.frontend import FrontEnd
-    from common.server.ipc import IpcPaths
 
+    one, batch = [_req("one")], [_req("b0"), _req("b1", bootstrap_room=5)]
     ctx = zmq.Context()
     try:
-        for via_controller in (True, False):
-            folder = tmp_path / str(via_controller)
-            folder.mkdir()
-            ipc = IpcPaths(folder=str(folder), controller_input=f"ipc://{folder}/ctl",
-                           detokenizer_input=f"ipc://{folder}/detok",
-                           frontend_input=f"ipc://{folder}/fe")
-            sink = ctx.socket(zmq.PULL)
-            sink.bind(ipc.controller_input)
-            fe = FrontEnd(ipc, ipc.controller_input, 3, via_controller=via_controller)
-            try:
-                one, batch = [_req("one")], [_req("b0"), _req("b1", bootstrap_room=5)]
-                fe.generate_many(one)
-                fe.generate_many(batch)
-                got = [_arrival(sink) for _ in range(2 if via_controller else 3)]
-                if via_controller:
-                    assert got == [si.controller_frames(one), si.controller_frames(batch)]
-                else:
-                    assert got == [[si.encoder.encode(r)] for r in one + batch]
-            finally:
-                await fe.close()
-                sink.close(linger=0)
+        # No controller: plain single frames on the scheduler's ZMQ PULL.
+        ipc = _ipc(tmp_path)
+        sink = ctx.socket(zmq.PULL)
+        sink.bind(ipc.scheduler_input_of(0))
+        fe = FrontEnd(ipc, ipc.scheduler_input_of(0))
+        try:
+            fe.generate_many(one)
+            fe.generate_many(batch)
+            got = [_arrival(sink) for _ in range(3)]
+            assert got == [[si.encoder.encode(r)] for r in one + batch]
+        finally:
+            await fe.close()
+            sink.close(linger=0)
     finally:
         ctx.destroy(linger=0)
+    # A controller: one message per HTTP request on its stream socket, header frame(s) first.
+    listener = frame_stream.listen(ipc.controller_input)
+    fe = FrontEnd(ipc, ipc.controller_input, 3, via_controller=True)
+    conn, _ = listener.accept()
+    reader = frame_stream.FrameReader(conn)
+    try:
+        fe.generate_many(one)
+        fe.generate_many(batch)
+        fe.abort("one")
+        got = []
+        while len(got) < 3:
+            assert select.select([conn], [], [], 2)[0]
+            got += [[bytes(f) for f in msg] for msg in reader.read()]
+        assert got == [si.controller_frames(one), si.controller_frames(batch),
+                       [si.encoder.encode(si.AbortRequest(rid="one",
+                                                          message="aborted by request"))]]
+    finally:
+        await fe.close()
+        conn.close()
+        listener.close()
+
+
+def test_controller_drops_a_corrupt_connection_and_serves_the_others(controller, caplog):
+    push, scheds, frontend = controller(REPORT_DELAY_MS=60_000)
+    other = _Feeder(push.sock.getpeername())
+    try:
+        other.sock.sendall(b"\xff\xff\xff\xff\x00\x00")  # a length no message has
+        push.send_multipart(_gen("fine"))
+        assert _arrival(scheds[0]) == [_body("fine")]
+        import time
+
+        deadline = time.monotonic() + 5
+        while "corrupt stream" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "corrupt stream" in caplog.text
+    finally:
+        other.close()
+
+
+async def test_front_end_fails_requests_with_503_when_the_controller_is_gone(tmp_path):
+    import asyncio
+
+    from common.server import frame_stream
+    from common.server.frontend import FrontEnd
+
+    ipc = _ipc(tmp_path)
+    listener = frame_stream.listen(ipc.controller_input)
+    fe = FrontEnd(ipc, ipc.controller_input, 3, via_controller=True)
+    conn, _ = listener.accept()
+    conn.close()  # the controller died
+    listener.close()
+    try:
+        outs = []
+        for i in range(200):  # the first sends may still fit in the kernel's buffer
+            [it] = fe.generate_many([_req(f"r{i}")])
+            if fe.to_controller.error is not None:
+                outs.append(await anext(it))
+                break
+            await asyncio.sleep(0.005)
+        [out] = outs
+        assert out.finished and out.finish_reason.status == 503
+        assert "DP controller channel is closed" in out.finish_reason.message
+        fe.abort("r0")  # aborting on a dead channel is not an error
+    finally:
+        await fe.close()
+
+
+async def test_front_end_fails_a_request_still_queued_when_the_controller_goes(tmp_path):
+    """A request too big for the socket buffer waits in the sender's backlog; the controller
+    dies before reading it: the request fails with 503 (it is not left waiting forever)."""
+    import asyncio
+
+    from common.messages import scheduler_input as si
+    from common.messages.sampling import SamplingParams
+    from common.server import frame_stream
+    from common.server.frontend import FrontEnd
+
+    ipc = _ipc(tmp_path)
+    listener = frame_stream.listen(ipc.controller_input)
+    fe = FrontEnd(ipc, ipc.controller_input, 3, via_controller=True)
+    conn, _ = listener.accept()
+    try:
+        huge = si.GenerateRequest(rid="huge", input_ids=list(range(100_000, 400_000)),
+                                  sampling=SamplingParams())
+        [it] = fe.generate_many([huge])
+        assert fe.to_controller.backlog_bytes > 0
+        conn.close()
+        out = await asyncio.wait_for(anext(it), 5)
+        assert out.finished and out.finish_reason.status == 503
+        assert "DP controller channel is closed" in out.finish_reason.message
+    finally:
+        await fe.close()
+        listener.close()

@@ -1,28 +1,31 @@
-"""The DataParallelController process: a thin ZMQ loop around `Dispatcher`.
+"""The DataParallelController process: a thin loop around `Dispatcher`.
 
-    PULL controller_input  [RouteHeader, request]            one request
-                           [list[RouteHeader], request x N]  one HTTP batch (one budget refresh)
-                           [AbortRequest | FlushCacheRequest | StatsRequest | SetSlotState]
-      -> Dispatcher picks a rank from the header frame  -> PUSH scheduler_input[rank]: the
-                                                           request frame, unchanged (zero-copy)
-      -> DispatchReport (rids, ranks, failures)         -> PUSH frontend_input
+    front end connection   [RouteHeader, request]            one request
+    (Unix stream socket,   [list[RouteHeader], request x N]  one HTTP batch (one budget refresh)
+     frame_stream)         [AbortRequest | FlushCacheRequest | StatsRequest | SetSlotState]
+      -> Dispatcher picks a rank from the header frame  -> ZMQ PUSH scheduler_input[rank]: the
+                                                           request frame's bytes, unchanged
+      -> DispatchReport (rids, ranks, failures)         -> ZMQ PUSH frontend_input
     replies go scheduler -> detokenizer -> front end, never through here.
-    PULL load relay (multi-node, load-aware methods only): other nodes' snapshots -> board
+    ZMQ PULL load relay (multi-node, load-aware methods only): other nodes' snapshots -> board
 
-The front end builds these messages with `scheduler_input.controller_frames`. The frame count
-says what a message is (1: control, 2: one request, more: a batch); only the small header frame
-is decoded (rid, num_tokens, routed_dp_rank, bootstrap_room), and the request frame is passed on
-as the zmq message it arrived in, so a dispatch costs the same whatever the prompt's length.
-Schedulers receive plain single-frame GenerateRequests, exactly as with dp_size 1.
+The front end builds these messages with `scheduler_input.controller_frames` and writes them to
+a Unix stream socket that this process reads in its own thread (`common/server/frame_stream.py`
+says why that leg is not ZMQ: one relay hop costs three thread wakeups with ZMQ, one without).
+The frame count says what a message is (1: control, 2: one request, more: a batch); only the
+small header frame is decoded (rid, num_tokens, routed_dp_rank, bootstrap_room), and the
+request frame is sent on as it arrived, so a dispatch costs the same whatever the prompt's
+length. Schedulers receive plain single-frame GenerateRequests, exactly as with dp_size 1.
 
-It blocks when there is nothing to read (on `recv()` of its one input socket, or on a poller
-when it also owns the load relay), and survives every per-request error: a request that cannot
-be placed gets a DispatchFailure (HTTP 4xx/503 for that client only); a malformed message is
-logged and dropped (its requests, when their rids can be read, are failed).
+It blocks on one poller (the listening socket, the front end's connection, the load relay when
+it owns one) and survives every per-request error: a request that cannot be placed gets a
+DispatchFailure (HTTP 4xx/503 for that client only); a malformed message is logged and dropped
+(its requests, when their rids can be read, are failed); a connection whose byte stream does
+not parse is closed (a stream cannot be resynchronised), and one that closes is forgotten.
 
 Reports are off the forwarding path: a request's hop is just header decode -> Dispatcher -> send.
 Outcomes are collected and sent as one DispatchReport once the oldest is REPORT_DELAY_MS old
-(checked after each message; a quiet input times the wait out after as long again, so a report
+(checked after each wakeup; a quiet input times the poll out after as long again, so a report
 is at most twice that late), or when REPORT_MAX_ITEMS are waiting; under load one report covers
 many requests. Failures are reported at once (nothing was forwarded, and the client is waiting
 for its error). Only dead-rank handling and abort routing in the front end read the ranks, and
@@ -50,6 +53,8 @@ from common.loads.relay import bind_relay, write_relayed
 from common.messages import frontend_input, launch, scheduler_input
 from common.messages.frontend_input import DispatchFailure, DispatchReport
 from common.messages.scheduler_input import RouteHeader
+from common.server import frame_stream
+from common.server.frame_stream import FrameReader, FrameStreamError
 from common.server.ipc import IpcPaths, drain_nowait
 from common.server.topology import Topology
 from common.server.process_utils import configure_logging, die_with_parent, report
@@ -76,8 +81,9 @@ class ControllerLoop:
     ):
         self.dispatcher = dispatcher
         self.ctx = ctx or zmq.Context()
-        self.recv = self.ctx.socket(zmq.PULL)
-        self.recv.bind(ipc.controller_input)
+        # The front end's connection(s): see common/server/frame_stream.py for why not ZMQ.
+        self.listener = frame_stream.listen(ipc.controller_input)
+        self.readers: dict[int, FrameReader] = {}  # by file descriptor
         self.workers = []
         for rank in range(dispatcher.num_slots):
             sock = self.ctx.socket(zmq.PUSH)
@@ -90,7 +96,7 @@ class ControllerLoop:
         self.relay_board = relay_board
         self.relay = bind_relay(self.ctx, topology.load_relay) if relay_board else None
         self.poller = zmq.Poller()
-        self.poller.register(self.recv, zmq.POLLIN)
+        self.poller.register(self.listener, zmq.POLLIN)
         if self.relay is not None:
             self.poller.register(self.relay, zmq.POLLIN)
         self.to_frontend = self.ctx.socket(zmq.PUSH)
@@ -103,88 +109,80 @@ class ControllerLoop:
         self._report_due: float | None = None
 
     def run_forever(self) -> None:
-        if self.relay is None:
-            self._run_single_input()
-        else:
-            self._run_polled()
-
-    def _run_single_input(self) -> None:
-        """One input socket: a blocking recv wakes faster than a Poller wait. While outcomes
-        wait to be reported it has a timeout (RCVTIMEO), so a quiet input still reports them.
-        The hot path (one request: two frames) is inlined: every step here is on its hop."""
-        recv = self.recv.recv
+        """Block on the poller (input connections, the listener, the load relay); on each
+        wakeup read what every ready connection has and handle each complete message. The
+        one-request case is inlined: every step of it is on the request's hop."""
+        poll = self.poller.poll
         place = self.dispatcher.place
         workers = self.workers
         monotonic = time.monotonic
+        readers = self.readers
+        listener_fd = self.listener.fileno()
         while True:
-            try:
-                # Frames, not bytes: nothing copied, and `.more` is read at no extra cost.
-                head = recv(copy=False)
-            except zmq.Again:  # quiet for REPORT_DELAY_MS
-                self.flush_report()
-                continue
-            try:
-                if not head.more:
-                    self.handle_control(head.bytes)
-                else:
-                    body = recv(copy=False)  # the request, passed on as this zmq message
-                    if body.more:
-                        self._dispatch_batch(head, [body, *self._recv_rest(body)])
-                    else:
-                        route = _route(head)
-                        try:
-                            rank = place(route.num_tokens, route.routed_dp_rank,
-                                         route.bootstrap_room)
-                        except DispatchError as exc:
-                            self._fail(route.rid, exc)
-                        else:
-                            workers[rank].send(body, copy=False)
-                            self._dispatched(route.rid, rank)
-            except msgspec.DecodeError as exc:
-                self._malformed(exc)
-            due = self._report_due
-            if due is not None and (
-                self._failed or monotonic() >= due or len(self._rids) >= REPORT_MAX_ITEMS
-            ):
-                self.flush_report()
-
-    def _run_polled(self) -> None:
-        """With the multi-node load relay: a Poller over both sockets, NOBLOCK drains."""
-        recv = self.recv.recv
-        while True:
-            if not self.poller.poll(REPORT_DELAY_MS if self._report_due is not None else None):
+            events = poll(REPORT_DELAY_MS if self._report_due is not None else None)
+            if not events:
                 self.flush_report()  # quiet: time to report
                 continue
-            for raw in drain_nowait(self.relay):
-                write_relayed(self.relay_board, raw)
-            while True:
-                try:
-                    head = recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self.handle_frames([head, *self._recv_rest(head)])
+            for source, _ in events:  # a file descriptor, or the relay's zmq socket
+                reader = readers.get(source)
+                if reader is not None:
+                    messages = self._read(reader)
+                elif source == listener_fd:
+                    self._accept()
+                    continue
+                else:
+                    for raw in drain_nowait(self.relay):
+                        write_relayed(self.relay_board, raw)
+                    continue
+                for frames in messages:
+                    try:
+                        if len(frames) == 2:
+                            head, body = frames
+                            route = _route(head)
+                            try:
+                                rank = place(route.num_tokens, route.routed_dp_rank,
+                                             route.bootstrap_room)
+                            except DispatchError as exc:
+                                self._fail(route.rid, exc)
+                            else:
+                                # Copied: the frame is a view into the reader's buffer.
+                                workers[rank].send(body)
+                                self._dispatched(route.rid, rank)
+                        else:
+                            self.handle_frames(frames)
+                    except msgspec.DecodeError as exc:
+                        self._malformed(exc)
             due = self._report_due
-            if due is not None and (
-                self._failed or time.monotonic() >= due or len(self._rids) >= REPORT_MAX_ITEMS
-            ):
+            if due is not None and (self._failed or monotonic() >= due):
                 self.flush_report()
 
-    def _recv_rest(self, last: zmq.Frame) -> list[zmq.Frame]:
-        """The frames after `last` of the message being received (all already here: a
-        multipart message arrives whole)."""
-        frames = []
-        while last.more:
-            last = self.recv.recv(copy=False)
-            frames.append(last)
-        return frames
+    def _accept(self) -> None:
+        sock, _ = self.listener.accept()
+        reader = FrameReader(sock)
+        self.readers[sock.fileno()] = reader
+        self.poller.register(sock, zmq.POLLIN)
+
+    def _read(self, reader: FrameReader) -> list:
+        """The messages one read completes; a closed or corrupt connection is dropped."""
+        try:
+            messages = reader.read()
+        except FrameStreamError as exc:
+            logger.error("dropped a front end connection with a corrupt stream: %s", exc)
+            messages = None
+        if messages is None:
+            self.poller.unregister(reader.sock)
+            del self.readers[reader.sock.fileno()]
+            reader.sock.close()
+            return []
+        return messages
 
     # ---- message handling ----------------------------------------------------------------
     def handle_frames(self, frames: list) -> None:
-        """One message from the front end, all its frames (the polled loop; the single-input
-        loop inlines the one-request case)."""
+        """One message from the front end, all its frames (`run_forever` inlines the
+        one-request case)."""
         try:
             if len(frames) == 1:
-                self.handle_control(frames[0].bytes)
+                self.handle_control(frames[0])
             elif len(frames) == 2:
                 self._dispatch_one(frames[0], frames[1])
             else:
@@ -200,7 +198,7 @@ class ControllerLoop:
         except DispatchError as exc:
             self._fail(route.rid, exc)
             return
-        self.workers[rank].send(body, copy=False)
+        self.workers[rank].send(body)
         self._dispatched(route.rid, rank)
 
     def handle_control(self, raw: bytes) -> None:
@@ -236,7 +234,7 @@ class ControllerLoop:
             if isinstance(rank, DispatchError):
                 self._fail(route.rid, rank)
                 continue
-            self.workers[rank].send(body, copy=False)
+            self.workers[rank].send(body)
             self._dispatched(route.rid, rank)
 
     def _malformed(self, exc: Exception) -> None:
@@ -248,6 +246,8 @@ class ControllerLoop:
         self.num_dispatched += 1
         if self._report_due is None:
             self._report_pending()
+        if len(self._rids) >= REPORT_MAX_ITEMS:
+            self.flush_report()
 
     def _fail(self, rid: str, exc: DispatchError) -> None:
         self._failed.append(DispatchFailure(
@@ -258,7 +258,6 @@ class ControllerLoop:
 
     def _report_pending(self) -> None:
         self._report_due = time.monotonic() + REPORT_DELAY_MS / 1000
-        self.recv.rcvtimeo = REPORT_DELAY_MS
 
     def flush_report(self) -> None:
         """Send the outcomes collected so far as one DispatchReport."""
@@ -266,9 +265,7 @@ class ControllerLoop:
             report_msg = DispatchReport(rids=self._rids, ranks=self._ranks, failed=self._failed)
             self.to_frontend.send(frontend_input.encoder.encode(report_msg))
             self._rids, self._ranks, self._failed = [], [], []
-        if self._report_due is not None:
-            self._report_due = None
-            self.recv.rcvtimeo = -1
+        self._report_due = None
 
 
 def run_controller_process(

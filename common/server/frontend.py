@@ -2,7 +2,8 @@
 
 Lifecycle of one request:
     generate(): register state -> PUSH GenerateRequest to the scheduler (to the DP
-                controller: [routing header, request] frames, see scheduler_input)
+                controller: [routing header, request] frames over its Unix stream socket,
+                see scheduler_input and frame_stream)
     recv loop:  TextDelta from the detokenizer -> append to the state -> wake the consumer
     consumer:   iterates snapshots until `finished`; leaving early (client gone, cancelled)
                 sends AbortRequest, so the scheduler frees the request's KV at once.
@@ -27,6 +28,7 @@ from common.messages import frontend_input, scheduler_input
 from common.messages.detokenizer_input import EngineStats, FlushCacheResult
 from common.messages.frontend_input import TextDelta
 from common.messages.sampling import FinishReason, TopLogprobs
+from common.server.frame_stream import AsyncFrameSender
 from common.server.ipc import IpcPaths
 
 logger = logging.getLogger(__name__)
@@ -97,9 +99,16 @@ class FrontEnd:
                  via_controller: bool = False,
                  on_finish: Callable[[RequestOutput], None] | None = None):
         self.ctx = zmq.asyncio.Context()
-        # The DP controller's input, or the only scheduler's when there is no controller.
-        self.to_scheduler = self.ctx.socket(zmq.PUSH)
-        self.to_scheduler.connect(request_target)
+        # The DP controller's input (a Unix stream socket), or the only scheduler's ZMQ PULL
+        # when there is no controller. Every message to either goes through `_submit`.
+        self.to_controller: AsyncFrameSender | None = None
+        self.to_scheduler: zmq.asyncio.Socket | None = None
+        if via_controller:
+            # Requests already handed to it are lost with it: fail every request.
+            self.to_controller = AsyncFrameSender(request_target, on_broken=self.fail_all)
+        else:
+            self.to_scheduler = self.ctx.socket(zmq.PUSH)
+            self.to_scheduler.connect(request_target)
         self.from_detokenizer = self.ctx.socket(zmq.PULL)
         self.from_detokenizer.bind(ipc.frontend_input)
         self.via_controller = via_controller
@@ -118,6 +127,8 @@ class FrontEnd:
     async def close(self) -> None:
         if self._recv_task is not None:
             self._recv_task.cancel()
+        if self.to_controller is not None:
+            self.to_controller.close()
         self.ctx.destroy(linger=0)
 
     @property
@@ -156,14 +167,20 @@ class FrontEnd:
             else:
                 to_send.append(req)
         if to_send:
-            if self.via_controller:
-                # One multipart message: routing header frame(s), then the request frames.
-                self.to_scheduler.send_multipart(
-                    scheduler_input.controller_frames(to_send), copy=False
-                )
-            else:
+            try:
+                if self.via_controller:
+                    # One message: routing header frame(s), then the request frames.
+                    self.to_controller.send(scheduler_input.controller_frames(to_send))
+                else:
+                    for req in to_send:
+                        self.to_scheduler.send(scheduler_input.encoder.encode(req), copy=False)
+            except ConnectionError as exc:  # on_broken failed them, unless it broke earlier
                 for req in to_send:
-                    self.to_scheduler.send(scheduler_input.encoder.encode(req), copy=False)
+                    state = self.states[req.rid]
+                    if not state.out.finished:
+                        state.out.finish(FinishReason(type="abort", message=str(exc),
+                                                      status=503))
+                        state.updated.set()
         return [
             self._follow(state) if state is not None else self._refused(req)
             for req, state in zip(reqs, registered)
@@ -203,10 +220,19 @@ class FrontEnd:
         if dp_rank is None and rid in self.states:
             dp_rank = self.states[rid].out.dp_rank
         msg = scheduler_input.AbortRequest(rid=rid, message=message, dp_rank=dp_rank)
-        self.to_scheduler.send(scheduler_input.encoder.encode(msg))
+        try:
+            self.send_control(msg)
+        except ConnectionError:
+            pass  # the controller is gone, and with it every request it placed
 
     def send_control(self, msg) -> None:
-        self.to_scheduler.send(scheduler_input.encoder.encode(msg))
+        """A single-frame message (abort, flush, stats, slot state). Raises ConnectionError
+        when the DP controller's channel is broken."""
+        raw = scheduler_input.encoder.encode(msg)
+        if self.to_controller is not None:
+            self.to_controller.send((raw,))
+        else:
+            self.to_scheduler.send(raw)
 
     def fail_all(self, reason: str) -> None:
         self.dead_reason = reason
@@ -246,9 +272,10 @@ class FrontEnd:
         control = _Control(asyncio.get_running_loop().create_future(), len(self.live_ranks))
         self.pending_control[request_id] = control
         try:
-            await self.to_scheduler.send(
-                scheduler_input.encoder.encode(msg_type(request_id=request_id))
-            )
+            try:
+                self.send_control(msg_type(request_id=request_id))
+            except ConnectionError as exc:
+                raise RuntimeError(str(exc)) from None
             self._maybe_complete(control)
             return await asyncio.wait_for(control.future, timeout)
         finally:

@@ -1,4 +1,5 @@
-"""Addresses of the ZMQ channels inside one service tree (IPC sockets in a private folder)."""
+"""Addresses of the channels inside one service tree (IPC sockets in a private folder): ZMQ
+endpoints, and the path of the front end -> DP controller Unix stream socket."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import zmq
 @dataclass(frozen=True, slots=True)
 class IpcPaths:
     folder: str
-    controller_input: str  # front end -> DP controller (dp_size > 1)
+    controller_input: str  # front end -> DP controller (dp_size > 1): a socket path, not ZMQ
     detokenizer_input: str  # schedulers -> detokenizer
     frontend_input: str  # detokenizer and controller -> front end
 
@@ -23,7 +24,7 @@ class IpcPaths:
         folder = tempfile.mkdtemp(prefix="pdserve-")
         return cls(
             folder=folder,
-            controller_input=f"ipc://{folder}/controller",
+            controller_input=f"{folder}/controller.sock",
             detokenizer_input=f"ipc://{folder}/detokenizer",
             frontend_input=f"ipc://{folder}/frontend",
         )
