@@ -11,9 +11,9 @@ exactly what `FrontEnd(via_controller=True)` sends: `scheduler_input.controller_
 follow_bootstrap_room), to the real `run_controller_process` (the launcher's target:
 `Dispatcher` + `ControllerLoop`), one per method, started with multiprocessing spawn, 4 ranks, a
 real shared-memory `LoadBoard`. The "schedulers" are 4 PULL sockets in one receiver process that
-take every message at once and timestamp it; the same process binds the front end's
-`frontend_input` (it drains and counts the controllers' `DispatchReport`s) and publishes a fresh
-snapshot per rank to the board every 5 ms, so the load-aware methods really refresh from it.
+take every message at once and timestamp it, and publish a fresh snapshot per rank to the board
+every 5 ms, so the load-aware methods really refresh from it. The front end (this process)
+binds `frontend_input` and counts the controllers' `DispatchReport`s, as a service's does.
 Three baseline forwarders wired the same way split the controller's cost: a bare ZMQ PULL ->
 PUSH relay of single-frame requests (the floor of any Python forwarder behind ZMQ); the
 [header, request] frames on a ZMQ PULL with the header decoded and the request frame forwarded
@@ -59,6 +59,7 @@ import os
 import platform
 import pstats
 import random
+import select
 import socket
 import statistics
 import struct
@@ -202,15 +203,16 @@ def encoded_array_len(raw: msgspec.Raw) -> int:
 
 def receiver_main(ipc: IpcPaths, control_addr: str, board_path: str, board_id: int,
                   num_ranks: int) -> None:
-    """The 4 "schedulers" (PULL, answer at once) and the front end's report inbox.
+    """The 4 "schedulers" (PULL, answer at once). The controllers' DispatchReports go to the
+    front end (the Rig, in the main process), as in a service: not here, where they would
+    compete with the arrivals being timed.
 
     Commands on the PAIR control socket (msgpack lists):
       ["count", n]  reply ["ready"]; after n scheduler arrivals reply
                     ["counted", first_ns, last_ns, per-rank counts]
       ["echo"]      reply ["ready"]; then every arrival is echoed as ECHO(ns, rank)
       ["idle"]      reply ["ready"]; arrivals are only counted
-      ["stats"]     reply ["stats", {first rid character: reported rids}, failures,
-                    arrivals]
+      ["stats"]     reply ["stats", arrivals]
       ["quit"]      exit
     """
     die_with_parent()
@@ -222,19 +224,14 @@ def receiver_main(ipc: IpcPaths, control_addr: str, board_path: str, board_id: i
         s = ctx.socket(zmq.PULL)
         s.bind(ipc.scheduler_input_of(rank))
         scheds.append(s)
-    reports = ctx.socket(zmq.PULL)
-    reports.bind(ipc.frontend_input)
     board = LoadBoard.attach(board_path, num_ranks, board_id)
-    from common.messages import frontend_input
-
     poller = zmq.Poller()
-    for s in (*scheds, reports, control):
+    for s in (*scheds, control):
         poller.register(s, zmq.POLLIN)
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
     mode, target, count, first, last = "idle", 0, 0, 0, 0
     counts = [0] * num_ranks
-    arrivals = report_failed = 0
-    report_rids: dict[str, int] = {}
+    arrivals = 0
     next_publish = 0.0
     control.send(enc.encode(["ready"]))
     while True:
@@ -260,17 +257,6 @@ def receiver_main(ipc: IpcPaths, control_addr: str, board_path: str, board_id: i
                     if count == target:
                         control.send(enc.encode(["counted", first, last, counts]))
                         mode = "idle"
-        if reports in events:
-            while True:
-                try:
-                    raw = reports.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msg = frontend_input.decoder.decode(raw)
-                if isinstance(msg, frontend_input.DispatchReport):
-                    for rid in msg.rids:
-                        report_rids[rid[0]] = report_rids.get(rid[0], 0) + 1
-                    report_failed += len(msg.failed)
         if control in events:
             cmd = dec.decode(control.recv())
             if cmd[0] == "quit":
@@ -283,7 +269,7 @@ def receiver_main(ipc: IpcPaths, control_addr: str, board_path: str, board_id: i
                 mode = cmd[0]
                 control.send(enc.encode(["ready"]))
             elif cmd[0] == "stats":
-                control.send(enc.encode(["stats", report_rids, report_failed, arrivals]))
+                control.send(enc.encode(["stats", arrivals]))
         mono = time.monotonic()
         if mono >= next_publish:  # schedulers that answer at once: empty queues, fresh stamps
             wall = time.time()
@@ -341,7 +327,7 @@ def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, 
     blocking recv -> send, nothing decoded (the floor of any Python forwarder behind ZMQ);
     "header": [header, request] messages on a ZMQ PULL, the header decoded, the request frame
     forwarded zero-copy (the previous controller without its Dispatcher); "stream": the same
-    messages read from a Unix stream socket behind a poller, as the controller reads them (the
+    messages read from a Unix stream socket behind a poll(), as the controller reads them (the
     controller without its Dispatcher and reports)."""
     die_with_parent()
     ctx = zmq.Context()
@@ -360,8 +346,8 @@ def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, 
         ready.close()
         conn, _ = listener.accept()
         reader = frame_stream.FrameReader(conn)
-        poller = zmq.Poller()
-        poller.register(conn, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
         while True:
             poller.poll()
             messages = reader.read()
@@ -515,6 +501,13 @@ class Rig:
         self._expect("ready", timeout=60)
         self.direct = self.ctx.socket(zmq.PUSH)
         self.direct.connect(self.base.scheduler_input_of(0))
+        # The front end's inbox: the controllers' DispatchReports (drained between runs, so a
+        # full inbox never blocks a controller).
+        self.reports = self.ctx.socket(zmq.PULL)
+        self.reports.setsockopt(zmq.RCVHWM, 0)
+        self.reports.bind(self.base.frontend_input)
+        self.report_rids: dict[str, int] = {}
+        self.report_failed = 0
         self.endpoints: list[Endpoint] = []
 
     # ---- control channel ----------------------------------------------------------------
@@ -633,6 +626,7 @@ class Rig:
         t_sent = now_ns()
         _, first, last, counts = self._expect("counted", timeout=120)
         cpu = proc_cpu_s(ep.proc.pid) - cpu0
+        self.drain_reports()
         return (last - t0) / 1e9, (t_sent - t0) / 1e9, cpu, counts
 
     def latency(self, eps: list[Endpoint], via_msgs: dict[str, list[list[bytes]]],
@@ -661,14 +655,31 @@ class Rig:
                         sock.send_multipart(frames)
                         arrival, _rank = ECHO.unpack(self._recv(10))
                         sink.append((arrival - t) / 1e3)
+                self.drain_reports()
         self._command("idle")
         return out
 
+    def drain_reports(self) -> None:
+        """Count the DispatchReports received so far (rids per tag, failures)."""
+        from common.messages import frontend_input
+
+        while True:
+            try:
+                raw = self.reports.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = frontend_input.decoder.decode(raw)
+            if isinstance(msg, frontend_input.DispatchReport):
+                for rid in msg.rids:
+                    self.report_rids[rid[0]] = self.report_rids.get(rid[0], 0) + 1
+                self.report_failed += len(msg.failed)
+
     def report_stats(self) -> tuple[dict[str, int], int, int]:
         """DispatchReport rids per tag, failures, scheduler arrivals."""
+        self.drain_reports()
         self.control.send(self.enc.encode(["stats"]))
-        _, rids, failed, arrivals = self._expect("stats")
-        return rids, failed, arrivals
+        _, arrivals = self._expect("stats")
+        return dict(self.report_rids), self.report_failed, arrivals
 
     def close(self) -> None:
         for ep in self.endpoints:
@@ -1543,7 +1554,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-prompt-tokens", type=int, default=2048,
                    help="a second throughput run with long prompts (0: skip)")
     p.add_argument("--long-requests", type=int, default=5_000)
-    p.add_argument("--profile-requests", type=int, default=20_000)
+    p.add_argument("--profile-requests", type=int, default=20_000,
+                   help="per in-process run (0: skip the in-process profile)")
     p.add_argument("--profile-method", default="total_tokens", choices=METHODS)
     p.add_argument("--reference", metavar="GITREF",
                    help="also run the controller of this commit (e.g. HEAD): before/after")
@@ -1592,7 +1604,8 @@ def main(argv: list[str] | None = None) -> dict:
                 results = bench_controllers(rig, ns, rng, log, reference)
             finally:
                 rig.close()
-            prof = profile_controller(ns, tmp, rng, log)
+            if ns.profile_requests > 0:
+                prof = profile_controller(ns, tmp, rng, log)
     if not ns.skip_balance:
         balance = run_balance(ns, log)
 

@@ -298,9 +298,11 @@ def controller(tmp_path, monkeypatch):
         for name, value in settings.items():
             monkeypatch.setattr(ctl, name, value)
         loop = StoppableLoop(dispatcher or Dispatcher("round_robin", 3, 3), ipc, ctx=ctx)
-        if polled:  # a relay socket nobody sends to: run_forever takes the Poller loop
+        if polled:  # a relay socket nobody sends to: the loop polls with zmq's Poller
             loop.relay = ctx.socket(zmq.PULL)
             loop.relay.bind(f"ipc://{folder}/relay")
+            loop.poller = zmq.Poller()
+            loop.poller.register(loop.listener.fileno(), zmq.POLLIN)
             loop.poller.register(loop.relay, zmq.POLLIN)
         push = _Feeder(ipc.controller_input)
         for frames in prequeued:

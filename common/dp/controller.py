@@ -39,6 +39,7 @@ flush and stats requests go to every started rank.
 from __future__ import annotations
 
 import logging
+import select
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -95,10 +96,12 @@ class ControllerLoop:
         # With load-aware dispatch on several nodes, this process owns the load relay PULL.
         self.relay_board = relay_board
         self.relay = bind_relay(self.ctx, topology.load_relay) if relay_board else None
-        self.poller = zmq.Poller()
-        self.poller.register(self.listener, zmq.POLLIN)
+        # Only a ZMQ socket (the load relay) needs zmq's poller; plain file descriptors wake
+        # a little faster through the system's poll. Both take (fd, POLLIN), poll(ms | None).
+        self.poller = zmq.Poller() if self.relay is not None else select.poll()
+        self.poller.register(self.listener.fileno(), select.POLLIN)
         if self.relay is not None:
-            self.poller.register(self.relay, zmq.POLLIN)
+            self.poller.register(self.relay, select.POLLIN)
         self.to_frontend = self.ctx.socket(zmq.PUSH)
         self.to_frontend.connect(ipc.frontend_input)
         self.num_dispatched = 0
@@ -160,7 +163,7 @@ class ControllerLoop:
         sock, _ = self.listener.accept()
         reader = FrameReader(sock)
         self.readers[sock.fileno()] = reader
-        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(sock.fileno(), select.POLLIN)
 
     def _read(self, reader: FrameReader) -> list:
         """The messages one read completes; a closed or corrupt connection is dropped."""
@@ -170,7 +173,7 @@ class ControllerLoop:
             logger.error("dropped a front end connection with a corrupt stream: %s", exc)
             messages = None
         if messages is None:
-            self.poller.unregister(reader.sock)
+            self.poller.unregister(reader.sock.fileno())
             del self.readers[reader.sock.fileno()]
             reader.sock.close()
             return []

@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<I")
 _COUNT = struct.Struct("<H")
+# The two shapes on the hot path (a control message; one request: header + body).
+_HEAD_ONE = struct.Struct("<IHI")
+_HEAD_TWO = struct.Struct("<IHII")
+_TWO_LENGTHS = struct.Struct("<II")
 MAX_FRAMES = 0xFFFF
 MAX_MESSAGE_BYTES = 1 << 31  # a longer length prefix means a corrupt stream
 # sendmsg takes at most IOV_MAX (1,024 on Linux) buffers: many-frame messages are joined first.
@@ -52,6 +56,12 @@ class FrameStreamError(Exception):
 def encode_message(frames: Sequence[bytes]) -> list[bytes]:
     """The buffers that make up one message on the wire (for `sendmsg`)."""
     n = len(frames)
+    if n == 2:
+        a, b = frames
+        return [_HEAD_TWO.pack(10 + len(a) + len(b), 2, len(a), len(b)), a, b]
+    if n == 1:
+        a = frames[0]
+        return [_HEAD_ONE.pack(6 + len(a), 1, len(a)), a]
     if not 0 < n <= MAX_FRAMES:
         raise ValueError(f"a message has 1..{MAX_FRAMES} frames, not {n}")
     lengths = [len(f) for f in frames]
@@ -117,8 +127,7 @@ class AsyncFrameSender:
         except OSError as exc:
             self._broken(exc)
             raise ConnectionError(f"DP controller channel is closed: {exc}") from None
-        total = sum(len(b) for b in bufs)
-        if sent < total:
+        if sent != 4 + _LENGTH.unpack_from(bufs[0])[0]:  # the first buffer holds the length
             self._queue_rest(bufs, sent)
 
     def _queue_rest(self, bufs: list[bytes], sent: int) -> None:
@@ -235,7 +244,10 @@ class FrameReader:
             (count,) = _COUNT.unpack_from(buf, body)
             if count == 0 or 2 + 4 * count > length:
                 raise FrameStreamError(f"bad frame count {count} for {length} bytes")
-            lengths = struct.unpack_from(f"<{count}I", buf, body + 2)
+            if count == 2:
+                lengths = _TWO_LENGTHS.unpack_from(buf, body + 2)
+            else:
+                lengths = struct.unpack_from(f"<{count}I", buf, body + 2)
             at = body + 2 + 4 * count
             stop = body + length
             if at + sum(lengths) != stop:
