@@ -18,7 +18,7 @@ Three baseline forwarders wired the same way split the controller's cost: a bare
 PUSH relay of single-frame requests (the floor of any Python forwarder behind ZMQ); the
 [header, request] frames on a ZMQ PULL with the header decoded and the request frame forwarded
 (the previous controller's transport, minus the Dispatcher); the same frames read from a Unix
-stream socket behind a poller (the controller's transport, minus the Dispatcher).
+stream socket in a blocking recv (the controller's transport, minus the Dispatcher).
 `--reference REF` also runs the controller of commit REF (its `common/` from `git archive`, in a
 subprocess), fed as that commit's front end fed it (ZMQ before the stream socket, single frames
 before `controller_frames`): the before/after in one run.
@@ -59,7 +59,6 @@ import os
 import platform
 import pstats
 import random
-import select
 import socket
 import statistics
 import struct
@@ -327,7 +326,7 @@ def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, 
     blocking recv -> send, nothing decoded (the floor of any Python forwarder behind ZMQ);
     "header": [header, request] messages on a ZMQ PULL, the header decoded, the request frame
     forwarded zero-copy (the previous controller without its Dispatcher); "stream": the same
-    messages read from a Unix stream socket behind a poll(), as the controller reads them (the
+    messages read from a Unix stream socket in a blocking recv(), as the controller reads them (the
     controller without its Dispatcher and reports)."""
     die_with_parent()
     ctx = zmq.Context()
@@ -346,10 +345,8 @@ def relay_main(kind: str, in_addr: str, out_addrs: list[str], report_addr: str, 
         ready.close()
         conn, _ = listener.accept()
         reader = frame_stream.FrameReader(conn)
-        poller = select.poll()
-        poller.register(conn.fileno(), select.POLLIN)
+        conn.setblocking(True)  # as the controller serves its one front end: recv() blocks
         while True:
-            poller.poll()
             messages = reader.read()
             if messages is None:
                 return
@@ -1419,7 +1416,7 @@ def format_throughput(results: list[MethodResult], ns: argparse.Namespace) -> st
         "a ZMQ PULL -> PUSH `recv()` -> `send()` of single-frame requests (the floor of any "
         "Python forwarder behind ZMQ); [header, request] frames on a ZMQ PULL, the header "
         "decoded, the request frame forwarded zero-copy (the previous controller's transport); "
-        "the same frames read from a Unix stream socket behind a poller (the controller's "
+        "the same frames read from a Unix stream socket in a blocking recv (the controller's "
         "transport: the controller minus Dispatcher and reports).",
     ]
     return "\n".join(out)

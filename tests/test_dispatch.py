@@ -633,3 +633,16 @@ async def test_front_end_fails_a_request_still_queued_when_the_controller_goes(t
     finally:
         await fe.close()
         listener.close()
+
+
+def test_controller_serves_a_front_end_that_reconnects(controller):
+    from common.server import frame_stream
+
+    push, scheds, frontend = controller(REPORT_DELAY_MS=60_000)
+    push.send_multipart(_gen("first"))
+    assert _arrival(scheds[0]) == [_body("first")]
+    path = push.sock.getpeername()
+    push.sock.close()  # the controller sees the connection close ...
+    push.sock = frame_stream.connect(path)  # ... and serves the next one
+    push.send_multipart(_gen("again"))
+    assert _arrival(scheds[1]) == [_body("again")]

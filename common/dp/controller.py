@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import logging
 import select
+import socket
+import struct
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -65,6 +67,8 @@ logger = logging.getLogger(__name__)
 # When dispatch outcomes go to the front end (see the module docstring).
 REPORT_DELAY_MS = 10
 REPORT_MAX_ITEMS = 512
+# With one input connection, how often the controller looks for another one.
+ACCEPT_CHECK_MS = 200
 
 _route = scheduler_input.route_decoder.decode
 _routes = scheduler_input.batch_route_decoder.decode
@@ -84,6 +88,7 @@ class ControllerLoop:
         self.ctx = ctx or zmq.Context()
         # The front end's connection(s): see common/server/frame_stream.py for why not ZMQ.
         self.listener = frame_stream.listen(ipc.controller_input)
+        self.listener.setblocking(False)
         self.readers: dict[int, FrameReader] = {}  # by file descriptor
         self.workers = []
         for rank in range(dispatcher.num_slots):
@@ -112,61 +117,106 @@ class ControllerLoop:
         self._report_due: float | None = None
 
     def run_forever(self) -> None:
-        """Block on the poller (input connections, the listener, the load relay); on each
-        wakeup read what every ready connection has and handle each complete message. The
-        one-request case is inlined: every step of it is on the request's hop."""
-        poll = self.poller.poll
-        place = self.dispatcher.place
-        workers = self.workers
-        monotonic = time.monotonic
-        readers = self.readers
-        listener_fd = self.listener.fileno()
         while True:
-            events = poll(REPORT_DELAY_MS if self._report_due is not None else None)
-            if not events:
-                self.flush_report()  # quiet: time to report
-                continue
-            for source, _ in events:  # a file descriptor, or the relay's zmq socket
-                reader = readers.get(source)
-                if reader is not None:
-                    messages = self._read(reader)
-                elif source == listener_fd:
-                    self._accept()
-                    continue
-                else:
-                    for raw in drain_nowait(self.relay):
-                        write_relayed(self.relay_board, raw)
-                    continue
-                for frames in messages:
-                    try:
-                        if len(frames) == 2:
-                            head, body = frames
-                            route = _route(head)
-                            try:
-                                rank = place(route.num_tokens, route.routed_dp_rank,
-                                             route.bootstrap_room)
-                            except DispatchError as exc:
-                                self._fail(route.rid, exc)
-                            else:
-                                # Copied: the frame is a view into the reader's buffer.
-                                workers[rank].send(body)
-                                self._dispatched(route.rid, rank)
-                        else:
-                            self.handle_frames(frames)
-                    except msgspec.DecodeError as exc:
-                        self._malformed(exc)
-            due = self._report_due
-            if due is not None and (self._failed or monotonic() >= due):
-                self.flush_report()
+            if self.relay is None and len(self.readers) == 1:
+                self._serve_sole_connection()
+            else:
+                self._poll_once()
 
-    def _accept(self) -> None:
-        sock, _ = self.listener.accept()
+    def _poll_once(self) -> None:
+        """Block on the poller (input connections, the listener, the load relay); read what
+        every ready connection has and handle each complete message."""
+        events = self.poller.poll(REPORT_DELAY_MS if self._report_due is not None else None)
+        if not events:
+            self.flush_report()  # quiet: time to report
+            return
+        for source, _ in events:  # a file descriptor, or the relay's zmq socket
+            reader = self.readers.get(source)
+            if reader is not None:
+                self.handle_messages(self._read(reader) or ())
+            elif source == self.listener.fileno():
+                self._accept()
+            else:
+                for raw in drain_nowait(self.relay):
+                    write_relayed(self.relay_board, raw)
+        self._report_if_due()
+
+    def _serve_sole_connection(self) -> None:
+        """The usual case, one front end and no load relay: wait in a blocking recv() on its
+        connection, one system call per wakeup where poll() + recv() are two. A kernel receive
+        timeout (SO_RCVTIMEO, set only when the report state changes, not per wakeup) ends the
+        wait when reports are due; every ACCEPT_CHECK_MS, busy or idle, the listener is asked
+        for another connection without blocking. Returns when the connection closes or another
+        one arrives (then the poller serves them all)."""
+        (reader,) = self.readers.values()
+        sock = reader.sock
+        sock.setblocking(True)
+        handle = self.handle_messages
+        monotonic = time.monotonic
+        timeout_ms = None
+        next_accept_check = monotonic() + ACCEPT_CHECK_MS / 1000
+        while True:
+            wanted = ACCEPT_CHECK_MS
+            if self._report_due is not None:
+                wanted = min(wanted, REPORT_DELAY_MS)
+            if wanted != timeout_ms:
+                timeout_ms = wanted
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                struct.pack("ll", wanted // 1000, wanted % 1000 * 1000))
+            messages = self._read(reader)  # [] after the timeout (or a partial message)
+            if messages is None:  # the connection closed
+                return
+            if messages:
+                handle(messages)
+            self._report_if_due()
+            if monotonic() >= next_accept_check:
+                next_accept_check = monotonic() + ACCEPT_CHECK_MS / 1000
+                if self._accept():
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                    struct.pack("ll", 0, 0))
+                    sock.setblocking(False)
+                    return
+
+    def handle_messages(self, messages: list) -> None:
+        """Messages from the front end, in order. The one-request case is inlined: every step
+        of it is on the request's hop."""
+        place = self.dispatcher.place
+        for frames in messages:
+            try:
+                if len(frames) == 2:
+                    head, body = frames
+                    route = _route(head)
+                    try:
+                        rank = place(route.num_tokens, route.routed_dp_rank, route.bootstrap_room)
+                    except DispatchError as exc:
+                        self._fail(route.rid, exc)
+                    else:
+                        self.workers[rank].send(body)  # copied: the frame is a view
+                        self._dispatched(route.rid, rank)
+                else:
+                    self.handle_frames(frames)
+            except msgspec.DecodeError as exc:
+                self._malformed(exc)
+
+    def _report_if_due(self) -> None:
+        due = self._report_due
+        if due is not None and (self._failed or time.monotonic() >= due):
+            self.flush_report()
+
+    def _accept(self) -> bool:
+        """Accept a waiting connection; False if none is waiting (the listener never blocks)."""
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return False
         reader = FrameReader(sock)
         self.readers[sock.fileno()] = reader
         self.poller.register(sock.fileno(), select.POLLIN)
+        return True
 
-    def _read(self, reader: FrameReader) -> list:
-        """The messages one read completes; a closed or corrupt connection is dropped."""
+    def _read(self, reader: FrameReader) -> list | None:
+        """The messages one read completes; None when the connection closed or its stream is
+        corrupt (it is dropped)."""
         try:
             messages = reader.read()
         except FrameStreamError as exc:
@@ -176,12 +226,11 @@ class ControllerLoop:
             self.poller.unregister(reader.sock.fileno())
             del self.readers[reader.sock.fileno()]
             reader.sock.close()
-            return []
         return messages
 
     # ---- message handling ----------------------------------------------------------------
     def handle_frames(self, frames: list) -> None:
-        """One message from the front end, all its frames (`run_forever` inlines the
+        """One message from the front end, all its frames (`handle_messages` inlines the
         one-request case)."""
         try:
             if len(frames) == 1:
