@@ -766,7 +766,7 @@ def bench_controllers(rig: Rig, ns: argparse.Namespace, rng: random.Random, log,
 # --------------------------------------------------------------- part 1: in-process profile
 
 
-class _Done(Exception):
+class _Done(BaseException):
     pass
 
 
@@ -918,19 +918,18 @@ def component_costs(reqs: list[GenerateRequest], long_reqs: list[GenerateRequest
             reader = frame_stream.FrameReader(b)
             elapsed, i = 0.0, 0
             while i < k:
-                chunk, size = [], 0
+                chunk, size, count = [], 0, 0
                 while i < k and size < 64 * 1024:
                     bufs = frame_stream.encode_message(src[i])
                     chunk += bufs
                     size += sum(len(x) for x in bufs)
                     i += 1
+                    count += 1
                 a.sendall(b"".join(chunk))
                 t0 = time.perf_counter()
-                got = 0
-                while got < size:
-                    for head, body in reader.read():
-                        # length (4), frame count (2), 2 frame lengths (8), the frames
-                        got += 14 + len(head) + len(body)
+                while count:
+                    for _head, body in reader.read():
+                        count -= 1
                         push.send(body)
                 elapsed += time.perf_counter() - t0
             a.close()

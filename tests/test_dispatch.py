@@ -257,7 +257,7 @@ def test_single_place_matches_batch_of_one_for_every_method():
 # ---- the controller loop: forwarding and deferred DispatchReports --------------------------
 
 
-class _Stop(Exception):
+class _Stop(BaseException):
     pass
 
 
@@ -646,3 +646,86 @@ def test_controller_serves_a_front_end_that_reconnects(controller):
     push.sock = frame_stream.connect(path)  # ... and serves the next one
     push.send_multipart(_gen("again"))
     assert _arrival(scheds[1]) == [_body("again")]
+
+
+async def test_front_end_refuses_a_message_over_the_channel_limit_and_forgets_it(tmp_path,
+                                                                                 monkeypatch):
+    """Too big for the controller channel: that request alone gets a 413, and its state is
+    released (its rid is free again); the channel keeps working."""
+    import asyncio
+
+    from common.server import frame_stream
+    from common.server.frontend import FrontEnd
+
+    ipc = _ipc(tmp_path)
+    listener = frame_stream.listen(ipc.controller_input)
+    fe = FrontEnd(ipc, ipc.controller_input, 3, via_controller=True)
+    conn, _ = listener.accept()
+    reader = frame_stream.FrameReader(conn)
+    monkeypatch.setattr(frame_stream, "MAX_MESSAGE_BYTES", 2_000)
+    try:
+        from common.messages import scheduler_input as si
+        from common.messages.sampling import SamplingParams
+
+        big = si.GenerateRequest(rid="big", input_ids=list(range(5_000)),
+                                 sampling=SamplingParams())
+        [it] = fe.generate_many([big])
+        out = await asyncio.wait_for(anext(it), 5)
+        assert out.finished and out.finish_reason.status == 413
+        assert "request too large" in out.finish_reason.message
+        await it.aclose()
+        assert not fe.is_inflight("big") and fe.fatal_reason is None
+        fe.generate_many([_req("small")])
+        import select
+
+        assert select.select([conn], [], [], 2)[0]
+        [[head, body]] = reader.read()
+        assert bytes(body) == _body("small")
+    finally:
+        await fe.close()
+        conn.close()
+        listener.close()
+
+
+async def test_front_end_control_sends_never_raise_once_the_channel_broke(tmp_path):
+    """The watchdog marks dead ranks through send_control: a broken channel must not raise
+    there; control calls fail with a clear error; the front end says the service is done."""
+    import asyncio
+
+    from common.messages import scheduler_input as si
+    from common.server import frame_stream
+    from common.server.frontend import FrontEnd
+
+    ipc = _ipc(tmp_path)
+    listener = frame_stream.listen(ipc.controller_input)
+    fe = FrontEnd(ipc, ipc.controller_input, 3, via_controller=True)
+    conn, _ = listener.accept()
+    conn.close()
+    listener.close()
+    try:
+        for _ in range(200):  # until a write notices the closed peer
+            if not fe.send_control(si.SetSlotState(dp_rank=1, state="unavailable")):
+                break
+            await asyncio.sleep(0.005)
+        assert fe.fatal_reason is not None and "DP controller channel" in fe.fatal_reason
+        assert fe.send_control(si.SetSlotState(dp_rank=2, state="unavailable")) is False
+        with pytest.raises(RuntimeError):
+            await fe.stats()
+    finally:
+        await fe.close()
+
+
+def test_controller_survives_messages_it_cannot_handle(controller, caplog):
+    """An abort naming a rank that does not exist goes to every started rank; a slot state
+    message with an unknown state is logged and dropped; serving goes on."""
+    from common.messages import scheduler_input as si
+
+    push, scheds, frontend = controller(REPORT_DELAY_MS=60_000)
+    abort = si.encoder.encode(si.AbortRequest(rid="x", dp_rank=7))
+    push.send(abort)
+    for rank in range(3):
+        assert _arrival(scheds[rank]) == [abort]
+    push.send(si.encoder.encode(si.SetSlotState(dp_rank=1, state="sideways")))
+    push.send_multipart(_gen("still"))
+    assert _arrival(scheds[0]) == [_body("still")]
+    assert "dropped a message from the front end" in caplog.text

@@ -31,6 +31,39 @@ def _read_all(reader: FrameReader, count: int, timeout: float = 5.0) -> list[lis
     return got
 
 
+@pytest.fixture
+def channel(tmp_path):
+    """open(on_broken=None) -> (listener, the front end's sender connected to it, the accepted
+    connection); all closed at the end of the test, whatever happened."""
+    opened = []
+
+    def open_channel(on_broken=None):
+        path = str(tmp_path / f"c{len(opened)}.sock")
+        listener = frame_stream.listen(path)
+        sender = AsyncFrameSender(path, on_broken=on_broken)
+        conn, _ = listener.accept()
+        opened.append((listener, sender, conn))
+        return listener, sender, conn
+
+    yield open_channel
+    for listener, sender, conn in opened:
+        sender.close()
+        conn.close()
+        listener.close()
+
+
+async def _read_async(conn: socket.socket, reader: FrameReader, count: int) -> list[list[bytes]]:
+    """Like _read_all, waiting in a thread so that the loop's writer keeps sending."""
+    got: list[list[bytes]] = []
+    loop = asyncio.get_running_loop()
+    while len(got) < count:
+        ready = await loop.run_in_executor(None, select.select, [conn], [], [], 5)
+        assert ready[0], f"stalled at {len(got)} of {count}"
+        got += [[bytes(f) for f in msg] for msg in reader.read()]
+        await asyncio.sleep(0)
+    return got
+
+
 def test_messages_round_trip_whole_and_in_order():
     a, b = _pair()
     reader = FrameReader(b)
@@ -88,28 +121,34 @@ def test_a_message_larger_than_the_buffer_grows_it():
 
 
 def test_many_frames_in_one_message():
-    """More buffers than one sendmsg may carry: the message is joined first."""
-    frames = [str(i).encode() for i in range(3000)]
+    """More buffers than one sendmsg may carry: the message is joined first; the count is not
+    limited to 16 bits (an HTTP batch of 65,535+ prompts is one message)."""
+    frames = [str(i).encode() for i in range(70_000)]
     assert len(frame_stream.encode_message(frames)) == 1
     a, b = _pair()
     reader = FrameReader(b)
-    frame_stream.send_blocking(a, frames)
+    writer = threading.Thread(target=frame_stream.send_blocking, args=(a, frames))
+    writer.start()  # ~600 KB: more than the socket buffer holds
     assert _read_all(reader, 1) == [frames]
+    writer.join(10)
     a.close()
     b.close()
 
 
-def test_frame_count_limits():
+def test_message_limits(monkeypatch):
     with pytest.raises(ValueError):
         frame_stream.encode_message([])
-    with pytest.raises(ValueError):
-        frame_stream.encode_message([b""] * (frame_stream.MAX_FRAMES + 1))
+    monkeypatch.setattr(frame_stream, "MAX_MESSAGE_BYTES", 1000)
+    for frames in ([b"x" * 1000], [b"h", b"x" * 1000], [b"a"] * 300):
+        with pytest.raises(ValueError, match="over the channel's limit"):
+            frame_stream.encode_message(frames)
+    assert len(frame_stream.encode_message([b"h", b"x" * 900])) == 3
 
 
 @pytest.mark.parametrize("corrupt", [
     struct.pack("<I", 1) + b"\x00",  # shorter than its frame count
-    struct.pack("<IH", 2, 0),  # no frame
-    struct.pack("<IHI", 10, 1, 99) + b"\x00" * 4,  # frame lengths past the message
+    struct.pack("<II", 4, 0),  # no frame
+    struct.pack("<III", 12, 1, 99) + b"\x00" * 4,  # frame lengths past the message
     struct.pack("<I", frame_stream.MAX_MESSAGE_BYTES + 1),  # absurd length
 ])
 def test_a_corrupt_stream_is_an_error_not_a_misread(corrupt):
@@ -125,36 +164,47 @@ def test_a_corrupt_stream_is_an_error_not_a_misread(corrupt):
     b.close()
 
 
-async def test_async_sender_queues_what_the_socket_cannot_take_and_keeps_order(tmp_path):
+async def test_async_sender_queues_what_the_socket_cannot_take_and_keeps_order(channel):
     """A reader that is not reading: the sender's writes never block the loop; everything is
     delivered in order once the reader catches up."""
-    path = str(tmp_path / "c.sock")
-    listener = frame_stream.listen(path)
-    sender = AsyncFrameSender(path)
-    conn, _ = listener.accept()
+    listener, sender, conn = channel()
     reader = FrameReader(conn)
     sent = [[b"%d" % i, bytes([i % 256]) * 50_000] for i in range(100)]  # ~5 MB
     for frames in sent:
         sender.send(frames)  # returns at once
     assert sender.backlog_bytes > 0  # the kernel buffer filled up
-    got: list[list[bytes]] = []
-    loop = asyncio.get_running_loop()
-    while len(got) < len(sent):
-        ready = await loop.run_in_executor(None, select.select, [conn], [], [], 5)
-        assert ready[0], f"stalled at {len(got)} of {len(sent)}"
-        got += [[bytes(f) for f in msg] for msg in reader.read()]
-    assert got == sent
+    assert await _read_async(conn, reader, len(sent)) == sent
     assert sender.backlog_bytes == 0
+
+
+async def test_async_sender_backlog_with_empty_frames_drains(channel):
+    """Empty frames behind a backlog are not queued (an empty buffer would never drain)."""
+    listener, sender, conn = channel()
+    reader = FrameReader(conn)
+    sent = [[b"x" * 4_000_000, b"h"], [b"y", b""], [b""]]
+    for frames in sent:
+        sender.send(frames)
+    assert sender.backlog_bytes > 0
+    assert await _read_async(conn, reader, len(sent)) == sent
+    for _ in range(100):  # the writer finished and unregistered itself
+        if sender._loop is None:
+            break
+        await asyncio.sleep(0.01)
+    assert sender.backlog_bytes == 0 and sender._loop is None
+
+
+async def test_async_sender_after_close_refuses_without_reporting_a_broken_channel(channel):
+    broken = []
+    listener, sender, conn = channel(broken.append)
     sender.close()
-    conn.close()
-    listener.close()
+    with pytest.raises(ConnectionError):
+        sender.send([b"x"])
+    assert broken == []
 
 
-async def test_async_sender_reports_a_closed_peer(tmp_path):
-    path = str(tmp_path / "c.sock")
-    listener = frame_stream.listen(path)
-    sender = AsyncFrameSender(path)
-    conn, _ = listener.accept()
+async def test_async_sender_reports_a_closed_peer(channel):
+    broken = []
+    listener, sender, conn = channel(broken.append)
     conn.close()
     listener.close()
     with pytest.raises(ConnectionError):
@@ -163,7 +213,7 @@ async def test_async_sender_reports_a_closed_peer(tmp_path):
             await asyncio.sleep(0.01)
     with pytest.raises(ConnectionError):  # and it stays closed
         sender.send([b"y"])
-    sender.close()
+    assert len(broken) == 1 and "DP controller channel is closed" in broken[0]
 
 
 def test_listen_replaces_a_stale_socket_file(tmp_path):

@@ -197,6 +197,8 @@ class ControllerLoop:
                     self.handle_frames(frames)
             except msgspec.DecodeError as exc:
                 self._malformed(exc)
+            except Exception:  # one message the loop cannot handle never stops the others
+                logger.exception("dropped a message from the front end")
 
     def _report_if_due(self) -> None:
         due = self._report_due
@@ -257,7 +259,8 @@ class ControllerLoop:
         """A single-frame message: abort, flush, stats, or a slot state change."""
         msg = _control(raw)
         if type(msg) is scheduler_input.AbortRequest:
-            ranks = [msg.dp_rank] if msg.dp_rank is not None else self._started_ranks()
+            known = msg.dp_rank is not None and 0 <= msg.dp_rank < len(self.workers)
+            ranks = [msg.dp_rank] if known else self._started_ranks()
             for rank in ranks:
                 self.workers[rank].send(raw)
         elif type(msg) is scheduler_input.SetSlotState:

@@ -11,7 +11,10 @@ controller's outputs stay ZMQ PUSH sockets, one per scheduler, as the contract s
 
 Wire format, per message (little-endian):
 
-    u32 length of the rest | u16 frame count n | u32 frame length x n | frame bytes x n
+    u32 length of the rest | u32 frame count n | u32 frame length x n | frame bytes x n
+
+A message is at most MAX_MESSAGE_BYTES (sender and reader agree); `encode_message` refuses a
+larger one with ValueError, so the caller can answer that request alone with an error.
 
 Senders:
 - `AsyncFrameSender` (the front end, in its asyncio loop): never blocks the loop; a write the
@@ -37,12 +40,11 @@ from collections.abc import Callable, Sequence
 logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<I")
-_COUNT = struct.Struct("<H")
+_COUNT = struct.Struct("<I")
 # The two shapes on the hot path (a control message; one request: header + body).
-_HEAD_ONE = struct.Struct("<IHI")
-_HEAD_TWO = struct.Struct("<IHII")
+_HEAD_ONE = struct.Struct("<III")
+_HEAD_TWO = struct.Struct("<IIII")
 _TWO_LENGTHS = struct.Struct("<II")
-MAX_FRAMES = 0xFFFF
 MAX_MESSAGE_BYTES = 1 << 31  # a longer length prefix means a corrupt stream
 # sendmsg takes at most IOV_MAX (1,024 on Linux) buffers: many-frame messages are joined first.
 _MAX_IOV = 64
@@ -54,18 +56,27 @@ class FrameStreamError(Exception):
 
 
 def encode_message(frames: Sequence[bytes]) -> list[bytes]:
-    """The buffers that make up one message on the wire (for `sendmsg`)."""
+    """The buffers that make up one message on the wire (for `sendmsg`). Frames are bytes-like
+    objects of bytes (their len() is their size in bytes)."""
     n = len(frames)
     if n == 2:
         a, b = frames
-        return [_HEAD_TWO.pack(10 + len(a) + len(b), 2, len(a), len(b)), a, b]
-    if n == 1:
+        size = 12 + len(a) + len(b)
+        if size <= MAX_MESSAGE_BYTES:
+            return [_HEAD_TWO.pack(size, 2, len(a), len(b)), a, b]
+    elif n == 1:
         a = frames[0]
-        return [_HEAD_ONE.pack(6 + len(a), 1, len(a)), a]
-    if not 0 < n <= MAX_FRAMES:
-        raise ValueError(f"a message has 1..{MAX_FRAMES} frames, not {n}")
+        size = 8 + len(a)
+        if size <= MAX_MESSAGE_BYTES:
+            return [_HEAD_ONE.pack(size, 1, len(a)), a]
+    if n == 0:
+        raise ValueError("a message has at least one frame")
     lengths = [len(f) for f in frames]
-    head = struct.pack(f"<IH{n}I", 2 + 4 * n + sum(lengths), n, *lengths)
+    size = 4 + 4 * n + sum(lengths)
+    if size > MAX_MESSAGE_BYTES:
+        raise ValueError(f"a message of {size:,} bytes is over the channel's limit of "
+                         f"{MAX_MESSAGE_BYTES:,}")
+    head = struct.pack(f"<II{n}I", size, n, *lengths)
     if n + 1 > _MAX_IOV:
         return [b"".join((head, *frames))]
     return [head, *frames]
@@ -105,20 +116,23 @@ class AsyncFrameSender:
         # Called once, with the reason, when the connection breaks: queued messages are lost.
         self.on_broken = on_broken
         self.sock = connect(path, blocking=False)
-        self._backlog: deque[memoryview] = deque()
+        self._backlog: deque[memoryview] = deque()  # never holds an empty buffer
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: OSError | None = None
+        self.closed = False
 
     @property
     def backlog_bytes(self) -> int:
         return sum(len(b) for b in self._backlog)
 
     def send(self, frames: Sequence[bytes]) -> None:
-        if self.error is not None:
-            raise ConnectionError(f"DP controller channel is closed: {self.error}")
+        """Raises ValueError for a message over MAX_MESSAGE_BYTES (nothing is sent), and
+        ConnectionError once the channel is broken or closed."""
+        if self.error is not None or self.closed:
+            raise ConnectionError(f"DP controller channel is closed: {self.error or 'closed'}")
         bufs = encode_message(frames)
         if self._backlog:
-            self._backlog.extend(memoryview(b) for b in bufs)
+            self._backlog.extend(memoryview(b) for b in bufs if len(b))
             return
         try:
             sent = self.sock.sendmsg(bufs)
@@ -131,14 +145,15 @@ class AsyncFrameSender:
             self._queue_rest(bufs, sent)
 
     def _queue_rest(self, bufs: list[bytes], sent: int) -> None:
+        loop = asyncio.get_running_loop()  # before queueing: no backlog without a writer
         for buf in bufs:
             if sent >= len(buf):
                 sent -= len(buf)
                 continue
             self._backlog.append(memoryview(buf)[sent:])
             sent = 0
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_writer(self.sock.fileno(), self._flush)
+        self._loop = loop
+        loop.add_writer(self.sock.fileno(), self._flush)
 
     def _flush(self) -> None:
         backlog = self._backlog
@@ -175,6 +190,7 @@ class AsyncFrameSender:
             self._loop = None
 
     def close(self) -> None:
+        self.closed = True
         self._stop_writer()
         self._backlog.clear()
         self.sock.close()
@@ -215,6 +231,9 @@ class FrameReader:
         start, end = self._start, self._end
         if start == end:
             self._start = self._end = 0
+            if len(self._buf) > 4 * _INITIAL_BUFFER:  # give back what a huge message took
+                self._buf = bytearray(_INITIAL_BUFFER)
+                self._view = memoryview(self._buf)
             return
         needed = end - start
         if end - start >= 4:
@@ -224,7 +243,7 @@ class FrameReader:
             self._buf = bytearray(size)  # views handed out earlier keep the old buffer alive
             self._buf[: end - start] = self._view[start:end]
             self._view = memoryview(self._buf)
-        elif end == len(self._buf) or len(self._buf) - end < len(self._buf) // 8:
+        elif start > 0 and (end == len(self._buf) or len(self._buf) - end < len(self._buf) // 8):
             self._buf[: end - start] = self._buf[start:end]
         else:
             return
@@ -236,19 +255,19 @@ class FrameReader:
         pos, end = self._start, self._end
         while end - pos >= 4:
             (length,) = _LENGTH.unpack_from(buf, pos)
-            if length < 2 or length > MAX_MESSAGE_BYTES:
+            if length < 4 or length > MAX_MESSAGE_BYTES:
                 raise FrameStreamError(f"bad message length {length}")
             if end - pos - 4 < length:
                 break
             body = pos + 4
             (count,) = _COUNT.unpack_from(buf, body)
-            if count == 0 or 2 + 4 * count > length:
+            if count == 0 or 4 + 4 * count > length:
                 raise FrameStreamError(f"bad frame count {count} for {length} bytes")
             if count == 2:
-                lengths = _TWO_LENGTHS.unpack_from(buf, body + 2)
+                lengths = _TWO_LENGTHS.unpack_from(buf, body + 4)
             else:
-                lengths = struct.unpack_from(f"<{count}I", buf, body + 2)
-            at = body + 2 + 4 * count
+                lengths = struct.unpack_from(f"<{count}I", buf, body + 4)
+            at = body + 4 + 4 * count
             stop = body + length
             if at + sum(lengths) != stop:
                 raise FrameStreamError("frame lengths do not add up to the message length")

@@ -9,7 +9,9 @@ Lifecycle of one request:
                 sends AbortRequest, so the scheduler frees the request's KV at once.
 
 Control calls (flush_cache, stats) are request/reply over the same channels, matched by id.
-If the backend dies, `fail_all` finishes every waiting consumer with a 503 abort.
+If the backend dies, `fail_all` finishes every waiting consumer with a 503 abort; if the DP
+controller's channel breaks, the same happens and `fatal_reason` makes the service's watchdog
+stop the service. A request too large for that channel gets a 413 on its own.
 """
 
 from __future__ import annotations
@@ -104,8 +106,8 @@ class FrontEnd:
         self.to_controller: AsyncFrameSender | None = None
         self.to_scheduler: zmq.asyncio.Socket | None = None
         if via_controller:
-            # Requests already handed to it are lost with it: fail every request.
-            self.to_controller = AsyncFrameSender(request_target, on_broken=self.fail_all)
+            self.to_controller = AsyncFrameSender(request_target,
+                                                  on_broken=self._controller_channel_broken)
         else:
             self.to_scheduler = self.ctx.socket(zmq.PUSH)
             self.to_scheduler.connect(request_target)
@@ -120,6 +122,9 @@ class FrontEnd:
         self._ids = itertools.count()
         self._recv_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
+        # Set when this front end can no longer reach its schedulers at all (the DP
+        # controller's channel broke); the service's watchdog stops the service then.
+        self.fatal_reason: str | None = None
 
     def start(self) -> None:
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
@@ -175,16 +180,21 @@ class FrontEnd:
                     for req in to_send:
                         self.to_scheduler.send(scheduler_input.encoder.encode(req), copy=False)
             except ConnectionError as exc:  # on_broken failed them, unless it broke earlier
-                for req in to_send:
-                    state = self.states[req.rid]
-                    if not state.out.finished:
-                        state.out.finish(FinishReason(type="abort", message=str(exc),
-                                                      status=503))
-                        state.updated.set()
+                self._finish_unsent(to_send, str(exc), 503)
+            except ValueError as exc:  # over the controller channel's message size limit
+                self._finish_unsent(to_send, f"request too large: {exc}", 413)
         return [
             self._follow(state) if state is not None else self._refused(req)
             for req, state in zip(reqs, registered)
         ]
+
+    def _finish_unsent(self, reqs: list[scheduler_input.GenerateRequest], message: str,
+                       status: int) -> None:
+        for req in reqs:
+            state = self.states[req.rid]
+            if not state.out.finished:
+                state.out.finish(FinishReason(type="abort", message=message, status=status))
+                state.updated.set()
 
     async def _refused(self, req: scheduler_input.GenerateRequest) -> AsyncIterator[RequestOutput]:
         dup = RequestOutput(rid=req.rid, prompt_tokens=len(req.input_ids))
@@ -220,19 +230,26 @@ class FrontEnd:
         if dp_rank is None and rid in self.states:
             dp_rank = self.states[rid].out.dp_rank
         msg = scheduler_input.AbortRequest(rid=rid, message=message, dp_rank=dp_rank)
-        try:
-            self.send_control(msg)
-        except ConnectionError:
-            pass  # the controller is gone, and with it every request it placed
+        self.send_control(msg)  # when the controller is gone, so is every request it placed
 
-    def send_control(self, msg) -> None:
-        """A single-frame message (abort, flush, stats, slot state). Raises ConnectionError
-        when the DP controller's channel is broken."""
+    def send_control(self, msg) -> bool:
+        """A single-frame message (abort, flush, stats, slot state). False when the DP
+        controller's channel is broken (never raises: callers include the watchdog)."""
         raw = scheduler_input.encoder.encode(msg)
-        if self.to_controller is not None:
-            self.to_controller.send((raw,))
-        else:
+        if self.to_controller is None:
             self.to_scheduler.send(raw)
+            return True
+        try:
+            self.to_controller.send((raw,))
+        except ConnectionError:
+            return False
+        return True
+
+    def _controller_channel_broken(self, reason: str) -> None:
+        """Requests already handed to the controller are lost with the channel: fail every
+        request, and tell the watchdog (the service cannot serve without it)."""
+        self.fatal_reason = reason
+        self.fail_all(reason)
 
     def fail_all(self, reason: str) -> None:
         self.dead_reason = reason
@@ -272,10 +289,10 @@ class FrontEnd:
         control = _Control(asyncio.get_running_loop().create_future(), len(self.live_ranks))
         self.pending_control[request_id] = control
         try:
-            try:
-                self.send_control(msg_type(request_id=request_id))
-            except ConnectionError as exc:
-                raise RuntimeError(str(exc)) from None
+            if not self.send_control(msg_type(request_id=request_id)):
+                if control.future.done():
+                    control.future.exception()  # fail_all set it: retrieved, not logged
+                raise RuntimeError(self.dead_reason or "DP controller channel is closed")
             self._maybe_complete(control)
             return await asyncio.wait_for(control.future, timeout)
         finally:

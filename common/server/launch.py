@@ -247,6 +247,12 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
         nonlocal exit_code
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL)
+            if frontend.fatal_reason is not None:
+                logger.critical("%s; shutting the service down", frontend.fatal_reason)
+                ctx.unhealthy_reason = frontend.fatal_reason
+                exit_code = 1
+                stop.set()
+                return
             for name, reason in tree.newly_dead():
                 if tree.is_fatal(name):
                     logger.critical("%s; shutting the service down", reason)
