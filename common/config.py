@@ -52,6 +52,7 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    remote_rank_timeout: float = 30.0
     random_seed: int = 0
     graceful_shutdown_timeout: float = 30.0
     log_level: str = "info"
@@ -104,6 +105,8 @@ class ServerArgs:
                 self.dp_size % self.nnodes == 0 and self.num_dp_slots == self.dp_size),
              "with --nnodes > 1, --dp-size must be a multiple of --nnodes (and --max-ep-size, "
              "if set, equal to --dp-size)"),
+            (self.remote_rank_timeout, self.remote_rank_timeout > 0,
+             "--remote-rank-timeout must be > 0"),
             (self.graceful_shutdown_timeout, self.graceful_shutdown_timeout >= 0,
              "--graceful-shutdown-timeout must be >= 0"),
         ]
@@ -191,6 +194,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     a("--dist-init-addr", default=d.dist_init_addr,
       help="HOST:PORT of node 0; it binds PORT and the ports just above it for the other "
            "nodes' schedulers")
+    a("--remote-rank-timeout", type=float, default=d.remote_rank_timeout,
+      help="with --nnodes > 1: seconds without a new load snapshot from a rank on another "
+           "node before node 0 marks it unavailable (its requests fail with 503); it is "
+           "active again once its snapshots resume")
     a("--random-seed", type=int, default=d.random_seed)
     a("--graceful-shutdown-timeout", type=float, default=d.graceful_shutdown_timeout,
       help="seconds SIGTERM waits for in-flight requests before aborting them")

@@ -5,6 +5,8 @@ owns the relay: the controller for load-aware methods, the front end otherwise."
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,16 +29,33 @@ def wait_all_ranks_published(server: ServerProcess, timeout: float = 90) -> dict
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("method", ["total_requests", "round_robin"])
-def test_two_nodes_serve_one_service(tiny_llama_dir, method):
-    addr = f"127.0.0.1:{free_port_block(4)}"  # detokenizer, relay, one scheduler per rank
-    common = ["--dp-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
-              "--load-balance-method", method, "--max-total-tokens", "1024"]
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "serve", "--model-path", str(tiny_llama_dir),
+def start_node1(model_dir, common: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "serve", "--model-path", str(model_dir),
          *common, "--node-rank", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+
+
+def stop_node(proc: subprocess.Popen) -> int:
+    proc.terminate()
+    try:
+        return proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(5)
+
+
+def two_node_args(method: str, *extra: str) -> list[str]:
+    addr = f"127.0.0.1:{free_port_block(4)}"  # detokenizer, relay, one scheduler per rank
+    return ["--dp-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
+            "--load-balance-method", method, "--max-total-tokens", "1024", *extra]
+
+
+@pytest.mark.parametrize("method", ["total_requests", "round_robin"])
+def test_two_nodes_serve_one_service(tiny_llama_dir, method):
+    common = two_node_args(method)
+    worker = start_node1(tiny_llama_dir, common)
     try:
         with ServerProcess(tiny_llama_dir, *common, "--node-rank", "0") as head:
             loads = wait_all_ranks_published(head)
@@ -58,10 +77,71 @@ def test_two_nodes_serve_one_service(tiny_llama_dir, method):
             status, info = http_json(head.url + "/get_server_info")
             assert [s["dp_rank"] for s in info["internal_states"]] == [0, 1]
     finally:
-        worker.terminate()
-        try:
-            code = worker.wait(20)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            code = worker.wait(5)
+        code = stop_node(worker)
     assert code == 0, worker.stderr.read()[-3000:]
+
+
+def _rank_state(head: ServerProcess, rank: int) -> str:
+    status, body = http_json(head.url + f"/v1/loads?dp_rank={rank}")
+    assert status == 200, body
+    return body["loads"][0]["state"]
+
+
+def _wait_rank_state(head: ServerProcess, rank: int, state: str, timeout: float) -> float:
+    start = time.monotonic()
+    while _rank_state(head, rank) != state:
+        assert time.monotonic() - start < timeout, f"rank {rank} never became {state}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_node0_takes_a_lost_node_out_of_service_and_back(tiny_llama_dir):
+    """Node 1 is killed while a request runs on its rank: after --remote-rank-timeout, node 0
+    marks the rank unavailable, that request fails with 503, new requests go to rank 0 only;
+    a new node 1 brings the rank back."""
+    import concurrent.futures
+
+    common = two_node_args("round_robin", "--remote-rank-timeout", "2")
+    worker = start_node1(tiny_llama_dir, common)
+    try:
+        with ServerProcess(tiny_llama_dir, *common, "--node-rank", "0") as head:
+            wait_all_ranks_published(head)
+            long_request = {"input_ids": PROMPT, "routed_dp_rank": 1,
+                            "sampling_params": {"max_new_tokens": 480, "temperature": 0,
+                                                "ignore_eos": True}}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                running = pool.submit(http_json, head.url + "/generate", long_request, 60)
+                deadline = time.monotonic() + 20
+                while True:  # until rank 1 is decoding it
+                    status, body = http_json(head.url + "/v1/loads?dp_rank=1")
+                    if body["loads"][0].get("num_running_reqs"):
+                        break
+                    assert not running.done() and time.monotonic() < deadline, body
+                    time.sleep(0.01)
+                os.killpg(worker.pid, signal.SIGKILL)  # the whole node, without a goodbye
+                worker.wait(10)
+                took = _wait_rank_state(head, 1, "unavailable", timeout=20)
+                status, body = running.result(timeout=30)
+            assert status == 503, body
+            assert "no load snapshot" in body["error"]["message"]
+            assert took < 10
+            status, health = http_json(head.url + "/health")
+            assert (status, health) == (200, {"status": "degraded",
+                                              "unavailable_dp_ranks": [1]})
+            for _ in range(3):  # round robin skips the lost rank
+                status, body = http_json(head.url + "/generate", {
+                    "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+                assert status == 200 and body["meta_info"]["dp_rank"] == 0, body
+            status, body = http_json(head.url + "/generate", {
+                "input_ids": PROMPT, "routed_dp_rank": 1, "sampling_params": {"max_new_tokens": 2}})
+            assert status == 503, body
+
+            worker = start_node1(tiny_llama_dir, common)  # the node comes back
+            _wait_rank_state(head, 1, "active", timeout=90)
+            status, body = http_json(head.url + "/generate", {
+                "input_ids": PROMPT, "routed_dp_rank": 1, "sampling_params": {"max_new_tokens": 2}})
+            assert status == 200 and body["meta_info"]["dp_rank"] == 1, body
+            assert http_json(head.url + "/health") == (200, {"status": "ok"})
+    finally:
+        if worker.poll() is None:
+            stop_node(worker)

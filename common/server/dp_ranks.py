@@ -8,13 +8,17 @@ sent to the controller as `SetSlotState`, so both sides agree:
                     event loop) -> ACTIVE
     deactivate(k):  ACTIVE -> RESERVED: no new requests; those running finish normally
     mark_dead(k):   any -> UNAVAILABLE; its in-flight requests fail with 503
+
+Ranks on other nodes (multi-node) are not processes node 0 can watch: `check_remote_ranks`
+marks one dead when its load snapshot has not changed for --remote-rank-timeout seconds (ranks
+publish at least once a second while idle), and makes it ACTIVE again when snapshots move.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from common.dp.dispatch import SlotState
@@ -39,6 +43,9 @@ class DpRanks:
     is_running: Callable[[int], bool]
     states: list[SlotState] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Remote ranks: the last snapshot timestamp seen and when (local monotonic clock) it changed.
+    _remote_seen: dict[int, tuple[float | None, float]] = field(default_factory=dict)
+    _lost_remote: set[int] = field(default_factory=set)  # marked dead for silence
 
     def __post_init__(self) -> None:
         self.states = [SlotState.ACTIVE] * self.num_active + [SlotState.RESERVED] * (
@@ -59,6 +66,28 @@ class DpRanks:
     def mark_dead(self, rank: int, reason: str) -> None:
         self._set(rank, SlotState.UNAVAILABLE)
         self.frontend.fail_rank(rank, reason)
+
+    def check_remote_ranks(self, ranks: Iterable[int], timeout: float, now: float) -> None:
+        """Liveness of ranks on other nodes. Only whether a rank's snapshot timestamp changed
+        is used, timed on this node's clock (the other node's clock is never compared)."""
+        loads = self.loads()
+        for rank in ranks:
+            snap = loads[rank]
+            stamp = None if snap is None else snap.timestamp
+            seen = self._remote_seen.get(rank)
+            if seen is None or seen[0] != stamp:
+                self._remote_seen[rank] = (stamp, now)
+                if seen is not None and rank in self._lost_remote:
+                    self._lost_remote.discard(rank)
+                    logger.warning("DP rank %d publishes its load again: back in service", rank)
+                    self._set(rank, SlotState.ACTIVE)
+                continue
+            if self.states[rank] is SlotState.ACTIVE and now - seen[1] > timeout:
+                self._lost_remote.add(rank)
+                reason = (f"DP rank {rank} (on another node) sent no load snapshot for "
+                          f"{timeout:g} s: its node is down or unreachable")
+                logger.error("%s; it is now unavailable", reason)
+                self.mark_dead(rank, reason)
 
     async def activate(self, rank: int) -> None:
         self._check_rank(rank)

@@ -243,10 +243,14 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    remote_ranks = [r for r in range(args.num_dp_slots) if not tree.topology.on_node0(r)]
+
     async def watchdog() -> None:
         nonlocal exit_code
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL)
+            if remote_ranks:
+                dp.check_remote_ranks(remote_ranks, args.remote_rank_timeout, time.monotonic())
             if frontend.fatal_reason is not None:
                 logger.critical("%s; shutting the service down", frontend.fatal_reason)
                 ctx.unhealthy_reason = frontend.fatal_reason

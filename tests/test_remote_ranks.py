@@ -1,0 +1,104 @@
+"""Liveness of DP ranks on other nodes, as node 0 judges it (`DpRanks.check_remote_ranks`):
+silence for --remote-rank-timeout marks a rank unavailable and fails its requests; snapshots
+moving again bring it back. Only timestamp changes count, on node 0's own clock."""
+
+from __future__ import annotations
+
+from common.dp.dispatch import SlotState
+from common.loads.snapshot import LoadSnapshot
+from common.server.dp_ranks import DpRanks
+
+
+class FakeBoard:
+    def __init__(self, n: int):
+        self.snaps: list[LoadSnapshot | None] = [None] * n
+
+    def publish(self, rank: int, timestamp: float) -> None:
+        self.snaps[rank] = LoadSnapshot(dp_rank=rank, timestamp=timestamp)
+
+    def read_all(self) -> list[LoadSnapshot | None]:
+        return list(self.snaps)
+
+
+class FakeFrontEnd:
+    def __init__(self, n: int):
+        self.live_ranks = set(range(n))
+        self.failed: list[tuple[int, str]] = []
+        self.sent: list = []
+
+    def fail_rank(self, rank: int, reason: str) -> None:
+        self.live_ranks.discard(rank)
+        self.failed.append((rank, reason))
+
+    def send_control(self, msg) -> bool:
+        self.sent.append(msg)
+        return True
+
+
+def _ranks(n: int = 4) -> tuple[DpRanks, FakeBoard, FakeFrontEnd]:
+    board, fe = FakeBoard(n), FakeFrontEnd(n)
+    dp = DpRanks(method="round_robin", num_active=n, num_slots=n, board=board, frontend=fe,
+                 uses_controller=True, start_scheduler=lambda r: None, is_running=lambda r: True)
+    return dp, board, fe
+
+
+def test_a_silent_remote_rank_is_marked_unavailable_after_the_timeout():
+    dp, board, fe = _ranks()
+    remote = [2, 3]
+    for rank in range(4):
+        board.publish(rank, 1000.0)
+    dp.check_remote_ranks(remote, timeout=5.0, now=0.0)
+    board.publish(2, 1001.0)  # rank 2 keeps publishing, rank 3 went quiet
+    dp.check_remote_ranks(remote, timeout=5.0, now=4.0)
+    assert dp.states == [SlotState.ACTIVE] * 4 and fe.failed == []
+    board.publish(2, 1002.0)
+    dp.check_remote_ranks(remote, timeout=5.0, now=5.5)
+    assert dp.states[3] is SlotState.UNAVAILABLE and dp.states[2] is SlotState.ACTIVE
+    [(rank, reason)] = fe.failed
+    assert rank == 3 and "no load snapshot for 5 s" in reason
+    assert fe.sent[-1].dp_rank == 3 and fe.sent[-1].state == "unavailable"
+    dp.check_remote_ranks(remote, timeout=5.0, now=20.0)  # reported once, not again
+    assert [r for r, _ in fe.failed] == [3, 2]  # (rank 2 went quiet in the meantime too)
+
+
+def test_a_rank_that_never_published_counts_from_the_first_check():
+    dp, board, fe = _ranks(2)
+    dp.check_remote_ranks([1], timeout=3.0, now=100.0)
+    dp.check_remote_ranks([1], timeout=3.0, now=102.9)
+    assert dp.states[1] is SlotState.ACTIVE
+    dp.check_remote_ranks([1], timeout=3.0, now=103.1)
+    assert dp.states[1] is SlotState.UNAVAILABLE
+
+
+def test_a_lost_rank_comes_back_when_its_snapshots_move_again():
+    dp, board, fe = _ranks(2)
+    board.publish(1, 50.0)
+    dp.check_remote_ranks([1], timeout=1.0, now=0.0)
+    dp.check_remote_ranks([1], timeout=1.0, now=2.0)
+    assert dp.states[1] is SlotState.UNAVAILABLE and 1 not in fe.live_ranks
+    dp.check_remote_ranks([1], timeout=1.0, now=3.0)  # still silent: still out
+    assert dp.states[1] is SlotState.UNAVAILABLE
+    board.publish(1, 49.0)  # a restarted node; its clock need not be ahead of the old one
+    dp.check_remote_ranks([1], timeout=1.0, now=3.5)
+    assert dp.states[1] is SlotState.ACTIVE and 1 in fe.live_ranks
+    assert fe.sent[-1].state == "active"
+
+
+def test_removed_ranks_are_not_judged_and_do_not_come_back_by_themselves():
+    dp, board, fe = _ranks(2)
+    dp.states[1] = SlotState.RESERVED  # removed by the operator
+    dp.check_remote_ranks([1], timeout=1.0, now=0.0)
+    dp.check_remote_ranks([1], timeout=1.0, now=5.0)
+    board.publish(1, 7.0)
+    dp.check_remote_ranks([1], timeout=1.0, now=6.0)
+    assert dp.states[1] is SlotState.RESERVED and fe.failed == [] and fe.sent == []
+
+
+def test_the_timeout_flag_is_checked():
+    import pytest
+
+    from common.config import ConfigError, ServerArgs
+
+    with pytest.raises(ConfigError, match="--remote-rank-timeout must be > 0"):
+        ServerArgs(remote_rank_timeout=0)
+    assert ServerArgs().remote_rank_timeout == 30.0
