@@ -692,6 +692,10 @@ async def test_server_info(server, session):
     assert info["vocab_size"] == 384
     assert info["architecture"] == "LlamaForCausalLM"
     assert info["device"] == "cpu" and info["dtype"] == "float32"
+    # The flags as given, next to the resolved values above.
+    assert set(info["server_args"]) == {f.name for f in dataclasses.fields(ServerArgs)}
+    assert info["server_args"]["port"] == server.port
+    assert info["server_args"]["context_length"] is None  # not given: resolved above
     assert info["num_pages"] * info["page_size"] == MAX_TOTAL_TOKENS
     assert info["served_model_name"] == server_model_name(server)
     [state] = info["internal_states"]

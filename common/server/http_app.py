@@ -85,8 +85,12 @@ async def handle_health_generate(request: web.Request) -> web.Response:
 
 
 async def handle_server_info(request: web.Request) -> web.Response:
+    """SGLang's shape: every flag at the top level, with what the service resolved taking the
+    place of "auto"/unset values (device, dtype, context_length, max_total_tokens,
+    load_balance_method ...); the flags exactly as given are under `server_args`."""
     ctx: ServerContext = request.app[CTX]
     info = ctx.args.to_dict()
+    info["server_args"] = ctx.args.to_dict()
     info["model_path"] = ctx.model_path
     info["served_model_name"] = ctx.model_name
     resolved = msgspec.to_builtins(ctx.info)
