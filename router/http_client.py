@@ -52,6 +52,11 @@ class UpstreamDisconnected(UpstreamError):
     pass
 
 
+class UpstreamStalled(UpstreamError):
+    """Given up by the router: its worker was ejected and sent nothing since it began failing
+    health checks."""
+
+
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_TRAILER, _UNTIL_CLOSE, _DONE = range(7)
 
 
@@ -72,6 +77,7 @@ class UpstreamResponse:
         self._keep_alive = True
         self._released = False
         self._timer: asyncio.TimerHandle | None = None
+        self.last_data = 0.0  # monotonic time bytes of this answer last came in (0: none yet)
         # Called once, from the protocol, when the answer is complete or has failed (for legs
         # driven by callbacks instead of a task, see upstream.Leg.start).
         self.on_done = None
@@ -118,6 +124,18 @@ class UpstreamResponse:
             if self._state == _DONE:
                 return b""
             await self._wait()
+
+    async def wait_head(self) -> None:
+        """Returns once the status line and headers are in; on failure the connection is
+        closed and the error raised."""
+        try:
+            while self._state == _HEAD:
+                if self._error is not None:
+                    raise self._error
+                await self._wait()
+        except BaseException:
+            self.close()
+            raise
 
     async def read(self) -> bytes:
         if self._state == _DONE and self._error is None:  # all in already: the usual case
@@ -170,6 +188,12 @@ class UpstreamResponse:
         if self._error is None and self._state != _DONE:
             self._error = error
         self._wake()
+
+    def abandon(self, error: BaseException) -> None:
+        """Fails the answer with `error` and closes its connection (the worker sees the
+        client leave)."""
+        self.fail(error)
+        self._conn.close()
 
     def feed(self, data: bytes) -> None:
         if self._state == _HEAD:
@@ -297,6 +321,7 @@ class _Connection(asyncio.Protocol):
         if self.response is None:  # nothing asked: a broken worker; do not reuse
             self.close()
             return
+        self.response.last_data = time.monotonic()
         try:
             self.response.feed(data)
         except (ValueError, IndexError) as exc:
@@ -344,14 +369,7 @@ class ConnectionPool:
         response = self.send_nowait(scheme, host, port, path, body, extra_headers)
         if response is None:
             response = await self.send(scheme, host, port, path, body, extra_headers)
-        try:
-            while response._state == _HEAD:
-                if response._error is not None:
-                    raise response._error
-                await response._wait()
-        except BaseException:
-            response.close()
-            raise
+        await response.wait_head()
         return response
 
     def send_nowait(self, scheme: str, host: str, port: int, path: str, body: bytes,

@@ -14,6 +14,8 @@ Failure kinds and whether the work may have started on the worker:
     connect     refused / unreachable / connect timeout: nothing was sent -> safe to retry
     timeout     no complete answer in time                -> may be running, never replayed
     disconnect  the connection broke after sending        -> may be running, never replayed
+    stalled     given up: the worker was ejected by health checks and sent nothing since it
+                began failing them (see health.cut_stalled_legs) -> never replayed
     status      the worker answered >= 500                -> it ran (or refused) the request
     stream      the worker's stream carried an error event
 """
@@ -33,6 +35,7 @@ from router.http_client import (
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamResponse,
+    UpstreamStalled,
     UpstreamTimeout,
 )
 from router.workers import Worker
@@ -104,12 +107,19 @@ class Leg:
         """Sends the request; returns once the worker's status line and headers are in."""
         worker = self.worker
         worker.inflight += 1
+        worker.open_legs.add(self)
         worker.breaker.on_dispatch()
         self.opened = True
+        pool, path = self.pool, worker.base_path + self.path
         try:
-            self.response = await self.pool.post(
-                worker.scheme, worker.host, worker.port, worker.base_path + self.path,
-                self.payload, self.extra_headers)
+            # Sent first, then awaited: the answer is reachable (self.response) while the
+            # worker thinks, so that health checks can give up on it (health.cut_stalled_legs).
+            self.response = pool.send_nowait(worker.scheme, worker.host, worker.port, path,
+                                             self.payload, self.extra_headers)
+            if self.response is None:
+                self.response = await pool.send(worker.scheme, worker.host, worker.port, path,
+                                                 self.payload, self.extra_headers)
+            await self.response.wait_head()
         except BaseException as exc:
             raise self.failure_from(exc) from None
         return self.response
@@ -123,6 +133,7 @@ class Leg:
         `finish(None)` before that cancels it (no callback, nothing charged)."""
         worker = self.worker
         worker.inflight += 1
+        worker.open_legs.add(self)
         worker.breaker.on_dispatch()
         self.opened = True
 
@@ -178,6 +189,8 @@ class Leg:
         if isinstance(exc, UpstreamConnectError):
             failure = LegFailure(worker, "connect",
                                  f"{role} worker {worker.url} is unreachable: {exc}", 503)
+        elif isinstance(exc, UpstreamStalled):
+            failure = LegFailure(worker, "stalled", f"{role} worker {worker.url} {exc}", 503)
         elif isinstance(exc, UpstreamTimeout | asyncio.TimeoutError):
             failure = LegFailure(worker, "timeout",
                                  f"{role} worker {worker.url} did not answer in time", 504)
@@ -220,6 +233,7 @@ class Leg:
         worker = self.worker
         if self.opened:
             worker.inflight -= 1
+            worker.open_legs.discard(self)
         if success is True:
             worker.breaker.record_success()
         elif success is False:

@@ -45,6 +45,10 @@ class Worker:
     consecutive_check_successes: int = 0
     last_check_error: str | None = None
     inflight: int = 0  # requests the router has sent and not yet seen finish
+    open_legs: set = field(default_factory=set)  # those requests' legs (upstream.Leg)
+    # Monotonic time of the first of the latest health checks in a row that got no HTTP answer
+    # at all (timeout, refused); None while the worker answers (even with an error status).
+    unresponsive_since: float | None = None
     load: WorkerLoad | None = None  # the latest /v1/loads poll
     host: str = field(init=False)
     port: int = field(init=False)

@@ -146,13 +146,26 @@ def test_only_decode_down_fast_503_and_prefill_cancelled(fleet):
     assert len(prefill.calls) == 1
 
 
+def resume_and_expect_readmitted(router: RouterProcess, worker: MockProcess,
+                                 timeout: float) -> None:
+    worker.resume()
+    wait_until(lambda: router.workers()[worker.url]["available"], timeout,
+               f"the {worker.role} re-admitted")
+    assert post(router.url + "/generate", {"text": "again"})[0] == 200
+
+
 def test_hanging_decode_sigstop_times_out_is_ejected_and_readmitted(fleet):
+    """The request timeout comes before the ejection here (slower health checks than
+    FAST_HEALTH): 504, the decode's breaker charged; then ejected, fast 503s, re-admitted."""
     prefill = fleet.add("prefill")
     decode = MockProcess("decode")
+    slower = ("--health-check-interval-secs", "1", "--health-check-timeout-secs", "1",
+              "--health-failure-threshold", "2", "--health-success-threshold", "2")
     try:
         with RouterProcess(*pd_args([prefill], [decode], "--request-timeout-secs", "1.5",
                                     "--cb-failure-threshold", "1",
-                                    "--cb-timeout-duration-secs", "0.5")) as router:
+                                    "--cb-timeout-duration-secs", "0.5",
+                                    health=slower)) as router:
             assert post(router.url + "/generate", {"text": "warm"})[0] == 200
             decode.pause()
             status, answer, elapsed = timed_post(router.url + "/generate", {"text": "hi"})
@@ -160,14 +173,11 @@ def test_hanging_decode_sigstop_times_out_is_ejected_and_readmitted(fleet):
             assert "decode worker" in answer["error"]["message"]
             workers = router.workers()
             assert workers[prefill.url]["breaker"] == "closed"  # prefill answered fine
-            wait_until(lambda: router.workers()[decode.url]["health"] == "ejected", 5,
+            wait_until(lambda: router.workers()[decode.url]["health"] == "ejected", 8,
                        "the hung decode ejected")
             status, answer, elapsed = timed_post(router.url + "/generate", {"text": "hi"})
             assert status == 503 and elapsed < 0.5
-            decode.resume()
-            wait_until(lambda: router.workers()[decode.url]["available"], 10,
-                       "the decode re-admitted")
-            assert post(router.url + "/generate", {"text": "again"})[0] == 200
+            resume_and_expect_readmitted(router, decode, timeout=15)
     finally:
         decode.stop()
 
@@ -251,3 +261,43 @@ def test_client_leaving_mid_stream_aborts_both_legs(fleet):
         assert router.workers()[decode.url]["breaker"] == "closed"
         assert router.workers()[prefill.url]["breaker"] == "closed"
         assert post(router.url + "/generate", {"text": "still fine"})[0] == 200
+
+
+def test_requests_on_a_hung_decode_fail_fast_once_it_is_ejected(fleet):
+    """A decode that hangs (SIGSTOP: no answer to anything) while it holds a request: once
+    health checks eject it, the request fails with 503 at once, not at the request timeout."""
+    prefill = fleet.add("prefill")
+    decode = MockProcess("decode")
+    try:
+        with RouterProcess(*pd_args([prefill], [decode], "--request-timeout-secs", "30")
+                           ) as router:
+            assert post(router.url + "/generate", {"text": "warm"})[0] == 200
+            decode.pause()
+            status, answer, elapsed = timed_post(router.url + "/generate", {"text": "hi"})
+            assert status == 503 and elapsed < 5, (status, answer, elapsed)
+            message = answer["error"]["message"]
+            assert "decode worker" in message and "stopped answering health checks" in message
+            assert router.workers()[decode.url]["health"] == "ejected"
+            resume_and_expect_readmitted(router, decode, timeout=10)
+    finally:
+        decode.stop()
+
+
+def test_a_worker_that_answers_its_checks_with_errors_keeps_its_running_requests(fleet):
+    """Draining (or degraded) workers answer /health with 503: they are ejected for new
+    requests, but what they are working on is not cut."""
+    import concurrent.futures
+
+    prefill, decode = fleet.add("prefill"), fleet.add("decode")
+    decode.delay_s = 2.0
+    with RouterProcess(*pd_args([prefill], [decode], "--request-timeout-secs", "30")
+                       ) as router:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(timed_post, router.url + "/generate", {"text": "slow"})
+            wait_until(lambda: decode.inference_calls(), 5, "the decode got the request")
+            decode.healthy = False
+            wait_until(lambda: router.workers()[decode.url]["health"] == "ejected", 5,
+                       "the draining decode ejected")
+            status, answer, elapsed = running.result(timeout=10)
+        assert status == 200 and elapsed >= 1.9, (status, answer, elapsed)
+        assert decode.aborted == 0

@@ -207,6 +207,7 @@ class MockProcess:
     """One mock worker as its own process (to SIGSTOP it)."""
 
     def __init__(self, role: str):
+        self.role = role
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(

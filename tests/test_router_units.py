@@ -16,7 +16,7 @@ from common.server.errors import ApiError
 from router.auth import bearer_token, is_authorized
 from router.breaker import BreakerState, CircuitBreaker
 from router.config import DEFAULT_BOOTSTRAP_PORT, PrefillSpec, parse_router_args
-from router.health import apply_check
+from router.health import apply_check, cut_stalled_legs
 from router.http_client import ConnectionPool, UpstreamConnectError, UpstreamTimeout
 from router.logprobs import merge_bodies
 from router.request_plan import (
@@ -99,6 +99,53 @@ def test_health_admits_new_worker_at_once_ejects_and_readmits_by_thresholds():
     assert w.health is Health.EJECTED
     apply_check(w, True, None, 2, 3)
     assert w.health is Health.HEALTHY
+
+
+class _FakeResponse:
+    def __init__(self, last_data: float, complete: bool = False):
+        self.last_data, self.complete, self.error = last_data, complete, None
+
+    def abandon(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _FakeLeg:
+    def __init__(self, response):
+        self.response = response
+
+
+def test_only_silence_without_any_answer_counts_as_unresponsive():
+    w = Worker("http://h:1", Role.DECODE, CircuitBreaker(3, 1, 1.0))
+    apply_check(w, True, None, 2, 2, now=1.0)
+    apply_check(w, False, "answered 503", 2, 2, answered=True, now=2.0)
+    assert w.unresponsive_since is None  # it answers: draining or degraded, not hung
+    apply_check(w, False, "timed out", 2, 2, answered=False, now=3.0)
+    apply_check(w, False, "timed out", 2, 2, answered=False, now=4.0)
+    assert w.unresponsive_since == 3.0 and w.health is Health.EJECTED
+    apply_check(w, False, "answered 503", 2, 2, answered=True, now=5.0)
+    assert w.unresponsive_since is None
+    apply_check(w, True, None, 2, 2, now=6.0)
+    assert w.unresponsive_since is None
+
+
+def test_stalled_legs_of_an_ejected_unresponsive_worker_are_cut_and_the_others_kept():
+    w = Worker("http://h:1", Role.DECODE, CircuitBreaker(3, 1, 1.0))
+    silent, nothing_yet, streaming, finished, connecting = (
+        _FakeLeg(_FakeResponse(last_data=9.0)), _FakeLeg(_FakeResponse(last_data=0.0)),
+        _FakeLeg(_FakeResponse(last_data=10.5)), _FakeLeg(_FakeResponse(9.0, complete=True)),
+        _FakeLeg(None))
+    w.open_legs = {silent, nothing_yet, streaming, finished, connecting}
+    apply_check(w, True, None, 2, 2, now=1.0)
+    apply_check(w, False, "timed out", 2, 2, answered=False, now=10.0)
+    assert cut_stalled_legs(w) == 0  # not ejected yet
+    apply_check(w, False, "timed out", 2, 2, answered=False, now=11.0)
+    assert cut_stalled_legs(w) == 2
+    assert "stopped answering health checks (timed out)" in str(silent.response.error)
+    assert nothing_yet.response.error is not None
+    assert streaming.response.error is None and finished.response.error is None
+    w.unresponsive_since = None  # an ejected worker that answers again (with errors)
+    w.open_legs = {_FakeLeg(_FakeResponse(last_data=0.0))}
+    assert cut_stalled_legs(w) == 0
 
 
 def test_worker_url_parts():
