@@ -259,6 +259,8 @@ async def _pd_stream(state: RouterState, request: web.Request, plan: RequestPlan
         return response
     except BaseException:
         await _cancel(p_task, d_task)
+        if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
+            d_task.result().finish(None)  # opened, then the client left: settle it
         raise
 
 

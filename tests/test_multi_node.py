@@ -29,6 +29,17 @@ def wait_all_ranks_published(server: ServerProcess, timeout: float = 90) -> dict
         time.sleep(0.2)
 
 
+def wait_until_idle(server: ServerProcess, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = http_json(server.url + "/v1/loads")
+        if all(e.get("num_running_reqs") == 0 and e.get("num_waiting_reqs") == 0
+               for e in body["loads"]):
+            return
+        assert time.monotonic() < deadline, body
+        time.sleep(0.05)
+
+
 def start_node1(model_dir, common: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "common.cli", "serve", "--model-path", str(model_dir),
@@ -71,6 +82,9 @@ def test_two_nodes_serve_one_service(tiny_llama_dir, method):
                 assert status == 200, body
                 assert body["meta_info"]["dp_rank"] == rank
                 assert body["output_ids"] == reference.outputs["x"]
+            # The load-aware budget reads the board: wait until both ranks' "done" snapshots
+            # are in (rank 1's travel through the relay, after its answer reached us).
+            wait_until_idle(head)
             status, body = http_json(head.url + "/generate", {
                 "input_ids": [[1, 2, 3]] * 4, "sampling_params": {"max_new_tokens": 1}})
             assert sorted(b["meta_info"]["dp_rank"] for b in body) == [0, 0, 1, 1]

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.dp.dispatch import SlotState
-from common.loads.board import LoadBoard
+from common.loads.board import BoardError, LoadBoard
 from common.loads.snapshot import LoadSnapshot
 from common.messages.scheduler_input import SetSlotState
 from common.server.errors import ApiError
@@ -41,6 +41,7 @@ class DpRanks:
     uses_controller: bool
     start_scheduler: Callable[[int], None]
     is_running: Callable[[int], bool]
+    remote_ranks: frozenset[int] = frozenset()  # ranks on other nodes (multi-node)
     states: list[SlotState] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Remote ranks: the last snapshot timestamp seen and when (local monotonic clock) it changed.
@@ -67,25 +68,32 @@ class DpRanks:
         self._set(rank, SlotState.UNAVAILABLE)
         self.frontend.fail_rank(rank, reason)
 
-    def check_remote_ranks(self, ranks: Iterable[int], timeout: float, now: float) -> None:
-        """Liveness of ranks on other nodes. Only whether a rank's snapshot timestamp changed
-        is used, timed on this node's clock (the other node's clock is never compared)."""
-        loads = self.loads()
-        for rank in ranks:
-            snap = loads[rank]
+    def check_remote_ranks(self, timeout: float, now: float) -> None:
+        """Liveness of the ranks on other nodes. Only whether a rank's snapshot timestamp
+        changed is used, timed on this node's clock (the other node's clock is never compared).
+        A rank that never published counts from the first check."""
+        for rank in sorted(self.remote_ranks):
+            try:
+                snap = self.board.read(rank)
+            except BoardError as exc:  # a slot caught mid-write: judge it next time
+                logger.debug("load board: %s", exc)
+                continue
             stamp = None if snap is None else snap.timestamp
             seen = self._remote_seen.get(rank)
             if seen is None or seen[0] != stamp:
                 self._remote_seen[rank] = (stamp, now)
-                if seen is not None and rank in self._lost_remote:
+                if (seen is not None and rank in self._lost_remote
+                        and self.states[rank] is SlotState.UNAVAILABLE):
                     self._lost_remote.discard(rank)
                     logger.warning("DP rank %d publishes its load again: back in service", rank)
                     self._set(rank, SlotState.ACTIVE)
                 continue
             if self.states[rank] is SlotState.ACTIVE and now - seen[1] > timeout:
                 self._lost_remote.add(rank)
-                reason = (f"DP rank {rank} (on another node) sent no load snapshot for "
-                          f"{timeout:g} s: its node is down or unreachable")
+                silence = ("has not published a load snapshot" if stamp is None
+                           else "sent no load snapshot")
+                reason = (f"DP rank {rank} (on another node) {silence} for {timeout:g} s: its "
+                          "node is down, unreachable or still starting")
                 logger.error("%s; it is now unavailable", reason)
                 self.mark_dead(rank, reason)
 
@@ -93,6 +101,11 @@ class DpRanks:
         self._check_rank(rank)
         async with self._lock:
             if self.states[rank] is SlotState.ACTIVE:
+                return
+            if rank in self.remote_ranks:  # its node runs it: nothing to start here
+                self._lost_remote.discard(rank)
+                self._remote_seen.pop(rank, None)  # a full timeout for it to show up
+                self._set(rank, SlotState.ACTIVE)
                 return
             if not self.is_running(rank):
                 loop = asyncio.get_running_loop()
@@ -107,7 +120,8 @@ class DpRanks:
         async with self._lock:
             if self.states[rank] is SlotState.ACTIVE and len(self.available) == 1:
                 raise ApiError("cannot remove the last active DP rank", "dp_rank", 409)
-            if self.states[rank] is SlotState.ACTIVE:
+            if self.states[rank] is SlotState.ACTIVE or rank in self._lost_remote:
+                self._lost_remote.discard(rank)  # removed: it does not come back by itself
                 self._set(rank, SlotState.RESERVED)
 
     def _check_rank(self, rank: int) -> None:

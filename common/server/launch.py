@@ -219,6 +219,8 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
         uses_controller=tree.uses_controller,
         start_scheduler=tree.start_scheduler,
         is_running=tree.is_running,
+        remote_ranks=frozenset(r for r in range(args.num_dp_slots)
+                               if not tree.topology.on_node0(r)),
     )
     ctx = ServerContext(
         args=args,
@@ -243,14 +245,15 @@ async def serve_http(tree: ServiceTree, tokenizer: Tokenizer) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    remote_ranks = [r for r in range(args.num_dp_slots) if not tree.topology.on_node0(r)]
-
     async def watchdog() -> None:
         nonlocal exit_code
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL)
-            if remote_ranks:
-                dp.check_remote_ranks(remote_ranks, args.remote_rank_timeout, time.monotonic())
+            if dp.remote_ranks:
+                try:
+                    dp.check_remote_ranks(args.remote_rank_timeout, time.monotonic())
+                except Exception:  # never the end of the supervision below
+                    logger.exception("checking the other nodes' DP ranks failed")
             if frontend.fatal_reason is not None:
                 logger.critical("%s; shutting the service down", frontend.fatal_reason)
                 ctx.unhealthy_reason = frontend.fatal_reason
