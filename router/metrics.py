@@ -54,7 +54,8 @@ class RouterMetrics:
             registry=self.registry)
         self.upstream_failures = Counter(
             "pdserve_router_upstream_failures",
-            "Failed legs by worker, role and kind (connect, timeout, disconnect, status, stream)",
+            "Failed legs by worker, role and kind (connect, timeout, disconnect, status, stream, "
+            "stalled)",
             ["worker", "role", "kind"], registry=self.registry)
         self.retries = Counter(
             "pdserve_router_retries", "Legs sent again after a refused connection", ["role"],
