@@ -109,6 +109,55 @@ def _wait_rank_state(head: ServerProcess, rank: int, state: str, timeout: float)
     return time.monotonic() - start
 
 
+def _run_on_rank1_then(head: ServerProcess, pool, action):
+    """Starts a long request on rank 1, calls `action()` once rank 1 is decoding it, returns
+    the request's future."""
+    long_request = {"input_ids": PROMPT, "routed_dp_rank": 1,
+                    "sampling_params": {"max_new_tokens": 480, "temperature": 0,
+                                        "ignore_eos": True}}
+    running = pool.submit(http_json, head.url + "/generate", long_request, 90)
+    deadline = time.monotonic() + 20
+    while True:  # until rank 1 is decoding it
+        status, body = http_json(head.url + "/v1/loads?dp_rank=1")
+        if body["loads"][0].get("num_running_reqs"):
+            break
+        assert not running.done() and time.monotonic() < deadline, body
+        time.sleep(0.01)
+    action()
+    return running
+
+
+def test_node0_fails_what_a_quickly_restarted_node_held(tiny_llama_dir):
+    """Node 1 restarts well within --remote-rank-timeout: node 0 sees a new scheduler process
+    in rank 1's snapshots and fails the request the old one held (it would wait forever);
+    the rank stays in service."""
+    import concurrent.futures
+
+    common = two_node_args("round_robin", "--remote-rank-timeout", "120")
+    nodes = [start_node1(tiny_llama_dir, common)]
+    try:
+        with ServerProcess(tiny_llama_dir, *common, "--node-rank", "0") as head:
+            wait_all_ranks_published(head)
+
+            def restart_node1() -> None:
+                os.killpg(nodes[0].pid, signal.SIGKILL)
+                nodes[0].wait(10)
+                nodes.append(start_node1(tiny_llama_dir, common))
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                running = _run_on_rank1_then(head, pool, restart_node1)
+                status, body = running.result(timeout=90)
+            assert status == 503 and "restarted" in body["error"]["message"], body
+            assert _rank_state(head, 1) == "active"
+            status, body = http_json(head.url + "/generate", {
+                "input_ids": PROMPT, "routed_dp_rank": 1, "sampling_params": {"max_new_tokens": 2}})
+            assert status == 200 and body["meta_info"]["dp_rank"] == 1, body
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                stop_node(node)
+
+
 def test_node0_takes_a_lost_node_out_of_service_and_back(tiny_llama_dir):
     """Node 1 is killed while a request runs on its rank: after --remote-rank-timeout, node 0
     marks the rank unavailable, that request fails with 503, new requests go to rank 0 only;
@@ -120,19 +169,10 @@ def test_node0_takes_a_lost_node_out_of_service_and_back(tiny_llama_dir):
     try:
         with ServerProcess(tiny_llama_dir, *common, "--node-rank", "0") as head:
             wait_all_ranks_published(head)
-            long_request = {"input_ids": PROMPT, "routed_dp_rank": 1,
-                            "sampling_params": {"max_new_tokens": 480, "temperature": 0,
-                                                "ignore_eos": True}}
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                running = pool.submit(http_json, head.url + "/generate", long_request, 60)
-                deadline = time.monotonic() + 20
-                while True:  # until rank 1 is decoding it
-                    status, body = http_json(head.url + "/v1/loads?dp_rank=1")
-                    if body["loads"][0].get("num_running_reqs"):
-                        break
-                    assert not running.done() and time.monotonic() < deadline, body
-                    time.sleep(0.01)
-                os.killpg(worker.pid, signal.SIGKILL)  # the whole node, without a goodbye
+                # the whole node, without a goodbye
+                running = _run_on_rank1_then(head, pool,
+                                             lambda: os.killpg(worker.pid, signal.SIGKILL))
                 worker.wait(10)
                 took = _wait_rank_state(head, 1, "unavailable", timeout=20)
                 status, body = running.result(timeout=30)

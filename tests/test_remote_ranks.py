@@ -13,8 +13,9 @@ class FakeBoard:
     def __init__(self, n: int):
         self.snaps: list[LoadSnapshot | None] = [None] * n
 
-    def publish(self, rank: int, timestamp: float) -> None:
-        self.snaps[rank] = LoadSnapshot(dp_rank=rank, timestamp=timestamp)
+    def publish(self, rank: int, timestamp: float, incarnation: int = 0) -> None:
+        self.snaps[rank] = LoadSnapshot(dp_rank=rank, timestamp=timestamp,
+                                        incarnation=incarnation)
 
     def read(self, rank: int) -> LoadSnapshot | None:
         if self.snaps[rank] == "torn":
@@ -33,6 +34,10 @@ class FakeFrontEnd:
     def fail_rank(self, rank: int, reason: str) -> None:
         self.live_ranks.discard(rank)
         self.failed.append((rank, reason))
+
+    def fail_requests_of(self, rank: int, reason: str) -> int:
+        self.failed.append((rank, reason))
+        return 1
 
     def send_control(self, msg) -> bool:
         self.sent.append(msg)
@@ -140,3 +145,20 @@ async def test_operators_can_remove_a_lost_remote_rank_and_bring_it_back():
     assert dp.states[1] is SlotState.ACTIVE
     dp.check_remote_ranks(timeout=1.0, now=4.6)
     assert dp.states[1] is SlotState.UNAVAILABLE
+
+
+def test_a_remote_rank_that_restarted_within_the_timeout_loses_its_requests_not_its_slot():
+    dp, board, fe = _ranks(2, remote=(1,))
+    board.publish(1, 10.0, incarnation=7)
+    dp.check_remote_ranks(timeout=30.0, now=0.0)
+    board.publish(1, 11.0, incarnation=7)
+    dp.check_remote_ranks(timeout=30.0, now=1.0)
+    assert fe.failed == []
+    board.publish(1, 12.0, incarnation=9)  # a new scheduler process, long before the timeout
+    dp.check_remote_ranks(timeout=30.0, now=2.0)
+    [(rank, reason)] = fe.failed
+    assert rank == 1 and "restarted" in reason
+    assert dp.states[1] is SlotState.ACTIVE and 1 in fe.live_ranks and fe.sent == []
+    board.publish(1, 13.0, incarnation=9)
+    dp.check_remote_ranks(timeout=30.0, now=3.0)
+    assert len(fe.failed) == 1

@@ -9,6 +9,8 @@ Field meanings:
     num_active_tokens  num_total_tokens minus tokens whose KV is still in flight from prefill
     max_total_num_tokens, token_usage   capacity and used / capacity
     per-queue counts   prefill bootstrap/inflight, decode prealloc/transfer/retracted
+    incarnation        a random id of the scheduler process that published it (0: unknown):
+                       when it changes, the rank restarted and lost what it was running
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class LoadSnapshot(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
     num_prealloc_reqs: int = 0
     num_transfer_reqs: int = 0
     num_retracted_reqs: int = 0
+    incarnation: int = 0
 
     @property
     def num_requests(self) -> int:

@@ -11,7 +11,9 @@ sent to the controller as `SetSlotState`, so both sides agree:
 
 Ranks on other nodes (multi-node) are not processes node 0 can watch: `check_remote_ranks`
 marks one dead when its load snapshot has not changed for --remote-rank-timeout seconds (ranks
-publish at least once a second while idle), and makes it ACTIVE again when snapshots move.
+publish at least once a second while idle, and every few steps while busy), and makes it
+ACTIVE again when snapshots move; a snapshot from a new scheduler process (its `incarnation`)
+fails the requests the old process held.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class DpRanks:
     # Remote ranks: the last snapshot timestamp seen and when (local monotonic clock) it changed.
     _remote_seen: dict[int, tuple[float | None, float]] = field(default_factory=dict)
     _lost_remote: set[int] = field(default_factory=set)  # marked dead for silence
+    _incarnations: dict[int, int] = field(default_factory=dict)  # remote rank -> process id
 
     def __post_init__(self) -> None:
         self.states = [SlotState.ACTIVE] * self.num_active + [SlotState.RESERVED] * (
@@ -79,6 +82,8 @@ class DpRanks:
                 logger.debug("load board: %s", exc)
                 continue
             stamp = None if snap is None else snap.timestamp
+            if snap is not None and snap.incarnation:
+                self._check_incarnation(rank, snap.incarnation)
             seen = self._remote_seen.get(rank)
             if seen is None or seen[0] != stamp:
                 self._remote_seen[rank] = (stamp, now)
@@ -96,6 +101,18 @@ class DpRanks:
                           "node is down, unreachable or still starting")
                 logger.error("%s; it is now unavailable", reason)
                 self.mark_dead(rank, reason)
+
+    def _check_incarnation(self, rank: int, incarnation: int) -> None:
+        """A new scheduler process behind a remote rank (its node restarted faster than the
+        timeout): the requests the old one held are lost; fail them, keep the rank."""
+        before = self._incarnations.get(rank)
+        self._incarnations[rank] = incarnation
+        if before is None or before == incarnation:
+            return
+        failed = self.frontend.fail_requests_of(
+            rank, f"DP rank {rank} (on another node) restarted and lost this request")
+        logger.warning("DP rank %d restarted on its node (a new scheduler process); %d "
+                       "request(s) it held failed", rank, failed)
 
     async def activate(self, rank: int) -> None:
         self._check_rank(rank)

@@ -261,16 +261,23 @@ class FrontEnd:
     def fail_rank(self, rank: int, reason: str) -> None:
         """A DP rank died: its requests fail now; control requests stop waiting for it."""
         self.live_ranks.discard(rank)
-        self._fail(lambda state: state.out.dp_rank == rank, reason)
+        self.fail_requests_of(rank, reason)
         for control in self.pending_control.values():
             control.expected = min(control.expected, len(self.live_ranks))
             self._maybe_complete(control)
 
-    def _fail(self, which, reason: str) -> None:
+    def fail_requests_of(self, rank: int, reason: str) -> int:
+        """Fails the requests a DP rank holds (it lost them: died or restarted); how many."""
+        return self._fail(lambda state: state.out.dp_rank == rank, reason)
+
+    def _fail(self, which, reason: str) -> int:
+        failed = 0
         for state in self.states.values():
             if not state.out.finished and which(state):
                 state.out.finish(FinishReason(type="abort", message=reason, status=503))
                 state.updated.set()
+                failed += 1
+        return failed
 
     # ---- control ----------------------------------------------------------------------
     async def flush_cache(self) -> list[FlushCacheResult]:

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import secrets
 import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+import msgspec
 import torch
 import zmq
 
@@ -65,6 +67,7 @@ class SchedulerLoop:
         self.front = role.queues if role is not None else engine
         self._publish = publish
         self.publish_steps = publish_steps
+        self.incarnation = secrets.randbits(62) | 1  # this process, in every snapshot
         self.ctx, self.recv, self.send = ctx, recv, send
         self.poller = zmq.Poller()
         self.poller.register(self.recv, zmq.POLLIN)
@@ -110,7 +113,8 @@ class SchedulerLoop:
         self._steps_since_publish = 0
         self._last_publish = time.monotonic()
         if self._publish is not None:
-            self._publish(self.front.load_snapshot())
+            snap = self.front.load_snapshot()
+            self._publish(msgspec.structs.replace(snap, incarnation=self.incarnation))
 
     def _pd_changed(self) -> bool:
         """While only PD queues move (no forward pass), publish when their counts change."""
