@@ -366,9 +366,7 @@ class ConnectionPool:
     async def post(self, scheme: str, host: str, port: int, path: str, body: bytes,
                    extra_headers: bytes = b"") -> UpstreamResponse:
         """Sends the request; returns once the status line and headers are in."""
-        response = self.send_nowait(scheme, host, port, path, body, extra_headers)
-        if response is None:
-            response = await self.send(scheme, host, port, path, body, extra_headers)
+        response = await self.send(scheme, host, port, path, body, extra_headers)
         await response.wait_head()
         return response
 

@@ -6,7 +6,7 @@ connect timeout and a whole-request timeout `--request-timeout-secs`, streams in
 info routes), with the same bounds.
 
 Lifecycle of a leg:  created --open()--> headers received --read()/readany()--> settled
-`open()` counts the request in `worker.inflight` and reserves a half-open breaker probe;
+`open()` counts the request in `worker.open_legs` and reserves a half-open breaker probe;
 `finish()` settles it exactly once: success, failure (charged to this worker's breaker) or
 no verdict (cancelled because the *other* side failed or the client left: nobody is charged).
 
@@ -106,7 +106,6 @@ class Leg:
     async def open(self) -> UpstreamResponse:
         """Sends the request; returns once the worker's status line and headers are in."""
         worker = self.worker
-        worker.inflight += 1
         worker.open_legs.add(self)
         worker.breaker.on_dispatch()
         self.opened = True
@@ -114,11 +113,8 @@ class Leg:
         try:
             # Sent first, then awaited: the answer is reachable (self.response) while the
             # worker thinks, so that health checks can give up on it (health.cut_stalled_legs).
-            self.response = pool.send_nowait(worker.scheme, worker.host, worker.port, path,
+            self.response = await pool.send(worker.scheme, worker.host, worker.port, path,
                                              self.payload, self.extra_headers)
-            if self.response is None:
-                self.response = await pool.send(worker.scheme, worker.host, worker.port, path,
-                                                 self.payload, self.extra_headers)
             await self.response.wait_head()
         except BaseException as exc:
             raise self.failure_from(exc) from None
@@ -132,7 +128,6 @@ class Leg:
         `on_done(failure or None, body)`. A >= 500 answer is charged if `charge()` says so.
         `finish(None)` before that cancels it (no callback, nothing charged)."""
         worker = self.worker
-        worker.inflight += 1
         worker.open_legs.add(self)
         worker.breaker.on_dispatch()
         self.opened = True
@@ -232,7 +227,6 @@ class Leg:
             self._sending.cancel()
         worker = self.worker
         if self.opened:
-            worker.inflight -= 1
             worker.open_legs.discard(self)
         if success is True:
             worker.breaker.record_success()

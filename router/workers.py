@@ -44,8 +44,8 @@ class Worker:
     consecutive_check_failures: int = 0
     consecutive_check_successes: int = 0
     last_check_error: str | None = None
-    inflight: int = 0  # requests the router has sent and not yet seen finish
-    open_legs: set = field(default_factory=set)  # those requests' legs (upstream.Leg)
+    # The legs (upstream.Leg) of requests the router has sent and not yet seen finish.
+    open_legs: set = field(default_factory=set)
     # Monotonic time of the first of the latest health checks in a row that got no HTTP answer
     # at all (timeout, refused); None while the worker answers (even with an error status).
     unresponsive_since: float | None = None
@@ -62,6 +62,10 @@ class Worker:
         self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
         self.scheme = parsed.scheme
         self.base_path = parsed.path.rstrip("/")
+
+    @property
+    def inflight(self) -> int:
+        return len(self.open_legs)
 
     @property
     def available(self) -> bool:

@@ -20,6 +20,11 @@ from router.policies.random_policy import RandomPolicy
 from router.workers import Health, Role, Worker
 
 
+def set_inflight(worker: Worker, n: int) -> None:
+    """As if the router had n requests open on the worker."""
+    worker.open_legs = {object() for _ in range(n)}
+
+
 def workers(n: int) -> list[Worker]:
     out = []
     for i in range(n):
@@ -137,18 +142,19 @@ def test_cache_aware_balance_fallback_beats_affinity():
     prompt = "shared prefix " * 10
     cached = policy.select(ws, RouteKey(text=prompt))
     other = ws[1] if cached is ws[0] else ws[0]
-    cached.inflight, other.inflight = 10, 1  # 10 - 1 > 4 and 10 > 1 * 1.5: imbalanced
+    set_inflight(cached, 10), set_inflight(other, 1)  # 10 - 1 > 4 and 10 > 1 * 1.5: imbalanced
     assert policy.select(ws, RouteKey(text=prompt)) is other
     # within the thresholds, affinity wins again
-    cached.inflight, other.inflight = 4, 1  # 4 - 1 <= 4
+    set_inflight(cached, 4), set_inflight(other, 1)  # 4 - 1 <= 4
     assert policy.select(ws, RouteKey(text=prompt)) is cached
-    cached.inflight, other.inflight = 12, 9  # 12 - 9 <= 4
+    set_inflight(cached, 12), set_inflight(other, 9)  # 12 - 9 <= 4
     assert policy.select(ws, RouteKey(text=prompt)) is cached
 
 
 def test_cache_aware_without_prompt_takes_least_loaded():
     ws = workers(3)
-    ws[0].inflight, ws[1].inflight, ws[2].inflight = 5, 0, 2
+    for w, n in zip(ws, (5, 0, 2)):
+        set_inflight(w, n)
     assert cache_policy().select(ws, RouteKey()) is ws[1]
 
 

@@ -75,6 +75,12 @@ _routes = scheduler_input.batch_route_decoder.decode
 _control = scheduler_input.control_decoder.decode
 
 
+def _set_receive_timeout(sock: socket.socket, ms: int) -> None:
+    """SO_RCVTIMEO: a blocking recv() gives up after `ms` (0: never)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                    struct.pack("ll", ms // 1000, ms % 1000 * 1000))
+
+
 class ControllerLoop:
     def __init__(
         self,
@@ -161,8 +167,7 @@ class ControllerLoop:
                 wanted = min(wanted, REPORT_DELAY_MS)
             if wanted != timeout_ms:
                 timeout_ms = wanted
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                                struct.pack("ll", wanted // 1000, wanted % 1000 * 1000))
+                _set_receive_timeout(sock, wanted)
             messages = self._read(reader)  # [] after the timeout (or a partial message)
             if messages is None:  # the connection closed
                 return
@@ -172,13 +177,13 @@ class ControllerLoop:
             if monotonic() >= next_accept_check:
                 next_accept_check = monotonic() + ACCEPT_CHECK_MS / 1000
                 if self._accept():
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                                    struct.pack("ll", 0, 0))
+                    _set_receive_timeout(sock, 0)  # none: the poller serves it from now on
                     sock.setblocking(False)
                     return
 
     def handle_messages(self, messages: list) -> None:
-        """Messages from the front end, in order. The one-request case is inlined: every step
+        """Messages from the front end, in order; the frame count says what each is (1:
+        control, 2: one request, more: a batch). The one-request case is inlined: every step
         of it is on the request's hop."""
         place = self.dispatcher.place
         for frames in messages:
@@ -193,8 +198,10 @@ class ControllerLoop:
                     else:
                         self.workers[rank].send(body)  # copied: the frame is a view
                         self._dispatched(route.rid, rank)
+                elif len(frames) == 1:
+                    self.handle_control(frames[0])
                 else:
-                    self.handle_frames(frames)
+                    self._dispatch_batch(frames[0], frames[1:])
             except msgspec.DecodeError as exc:
                 self._malformed(exc)
             except Exception:  # one message the loop cannot handle never stops the others
@@ -231,30 +238,6 @@ class ControllerLoop:
         return messages
 
     # ---- message handling ----------------------------------------------------------------
-    def handle_frames(self, frames: list) -> None:
-        """One message from the front end, all its frames (`handle_messages` inlines the
-        one-request case)."""
-        try:
-            if len(frames) == 1:
-                self.handle_control(frames[0])
-            elif len(frames) == 2:
-                self._dispatch_one(frames[0], frames[1])
-            else:
-                self._dispatch_batch(frames[0], frames[1:])
-        except msgspec.DecodeError as exc:
-            self._malformed(exc)
-
-    def _dispatch_one(self, head, body) -> None:
-        route = _route(head)
-        try:
-            rank = self.dispatcher.place(route.num_tokens, route.routed_dp_rank,
-                                         route.bootstrap_room)
-        except DispatchError as exc:
-            self._fail(route.rid, exc)
-            return
-        self.workers[rank].send(body)
-        self._dispatched(route.rid, rank)
-
     def handle_control(self, raw: bytes) -> None:
         """A single-frame message: abort, flush, stats, or a slot state change."""
         msg = _control(raw)

@@ -48,7 +48,6 @@ class DpRanks:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Remote ranks: the last snapshot timestamp seen and when (local monotonic clock) it changed.
     _remote_seen: dict[int, tuple[float | None, float]] = field(default_factory=dict)
-    _lost_remote: set[int] = field(default_factory=set)  # marked dead for silence
     _incarnations: dict[int, int] = field(default_factory=dict)  # remote rank -> process id
 
     def __post_init__(self) -> None:
@@ -87,14 +86,12 @@ class DpRanks:
             seen = self._remote_seen.get(rank)
             if seen is None or seen[0] != stamp:
                 self._remote_seen[rank] = (stamp, now)
-                if (seen is not None and rank in self._lost_remote
-                        and self.states[rank] is SlotState.UNAVAILABLE):
-                    self._lost_remote.discard(rank)
+                # Only silence makes a remote rank UNAVAILABLE (node 0 runs no process for it).
+                if seen is not None and self.states[rank] is SlotState.UNAVAILABLE:
                     logger.warning("DP rank %d publishes its load again: back in service", rank)
                     self._set(rank, SlotState.ACTIVE)
                 continue
             if self.states[rank] is SlotState.ACTIVE and now - seen[1] > timeout:
-                self._lost_remote.add(rank)
                 silence = ("has not published a load snapshot" if stamp is None
                            else "sent no load snapshot")
                 reason = (f"DP rank {rank} (on another node) {silence} for {timeout:g} s: its "
@@ -120,7 +117,6 @@ class DpRanks:
             if self.states[rank] is SlotState.ACTIVE:
                 return
             if rank in self.remote_ranks:  # its node runs it: nothing to start here
-                self._lost_remote.discard(rank)
                 self._remote_seen.pop(rank, None)  # a full timeout for it to show up
                 self._set(rank, SlotState.ACTIVE)
                 return
@@ -137,9 +133,9 @@ class DpRanks:
         async with self._lock:
             if self.states[rank] is SlotState.ACTIVE and len(self.available) == 1:
                 raise ApiError("cannot remove the last active DP rank", "dp_rank", 409)
-            if self.states[rank] is SlotState.ACTIVE or rank in self._lost_remote:
-                self._lost_remote.discard(rank)  # removed: it does not come back by itself
-                self._set(rank, SlotState.RESERVED)
+            lost = rank in self.remote_ranks and self.states[rank] is SlotState.UNAVAILABLE
+            if self.states[rank] is SlotState.ACTIVE or lost:
+                self._set(rank, SlotState.RESERVED)  # a lost rank does not come back by itself
 
     def _check_rank(self, rank: int) -> None:
         if not self.uses_controller:

@@ -102,7 +102,7 @@ class FrontEnd:
                  on_finish: Callable[[RequestOutput], None] | None = None):
         self.ctx = zmq.asyncio.Context()
         # The DP controller's input (a Unix stream socket), or the only scheduler's ZMQ PULL
-        # when there is no controller. Every message to either goes through `_submit`.
+        # when there is no controller (`generate_many` and `send_control` write to them).
         self.to_controller: AsyncFrameSender | None = None
         self.to_scheduler: zmq.asyncio.Socket | None = None
         if via_controller:
@@ -180,21 +180,13 @@ class FrontEnd:
                     for req in to_send:
                         self.to_scheduler.send(scheduler_input.encoder.encode(req), copy=False)
             except ConnectionError as exc:  # on_broken failed them, unless it broke earlier
-                self._finish_unsent(to_send, str(exc), 503)
+                self._fail(self._among(to_send), str(exc))
             except ValueError as exc:  # over the controller channel's message size limit
-                self._finish_unsent(to_send, f"request too large: {exc}", 413)
+                self._fail(self._among(to_send), f"request too large: {exc}", 413)
         return [
             self._follow(state) if state is not None else self._refused(req)
             for req, state in zip(reqs, registered)
         ]
-
-    def _finish_unsent(self, reqs: list[scheduler_input.GenerateRequest], message: str,
-                       status: int) -> None:
-        for req in reqs:
-            state = self.states[req.rid]
-            if not state.out.finished:
-                state.out.finish(FinishReason(type="abort", message=message, status=status))
-                state.updated.set()
 
     async def _refused(self, req: scheduler_input.GenerateRequest) -> AsyncIterator[RequestOutput]:
         dup = RequestOutput(rid=req.rid, prompt_tokens=len(req.input_ids))
@@ -270,11 +262,16 @@ class FrontEnd:
         """Fails the requests a DP rank holds (it lost them: died or restarted); how many."""
         return self._fail(lambda state: state.out.dp_rank == rank, reason)
 
-    def _fail(self, which, reason: str) -> int:
+    @staticmethod
+    def _among(reqs: list[scheduler_input.GenerateRequest]):
+        rids = {req.rid for req in reqs}
+        return lambda state: state.out.rid in rids
+
+    def _fail(self, which, reason: str, status: int = 503) -> int:
         failed = 0
         for state in self.states.values():
             if not state.out.finished and which(state):
-                state.out.finish(FinishReason(type="abort", message=reason, status=503))
+                state.out.finish(FinishReason(type="abort", message=reason, status=status))
                 state.updated.set()
                 failed += 1
         return failed
