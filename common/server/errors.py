@@ -14,6 +14,8 @@ import re
 import msgspec
 from aiohttp import web
 
+logger = logging.getLogger(__name__)
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -102,9 +104,6 @@ def decode_json(body: bytes, type_: type):
         raise from_validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise ApiError(f"malformed JSON body: {exc}") from None
-
-
-logger = logging.getLogger(__name__)
 
 
 async def handle_errors(request: web.Request, handler) -> web.StreamResponse:

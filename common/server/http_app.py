@@ -89,8 +89,8 @@ async def handle_server_info(request: web.Request) -> web.Response:
     place of "auto"/unset values (device, dtype, context_length, max_total_tokens,
     load_balance_method ...); the flags exactly as given are under `server_args`."""
     ctx: ServerContext = request.app[CTX]
-    info = ctx.args.to_dict()
-    info["server_args"] = ctx.args.to_dict()
+    flags = ctx.args.to_dict()
+    info = {**flags, "server_args": flags}
     info["model_path"] = ctx.model_path
     info["served_model_name"] = ctx.model_name
     resolved = msgspec.to_builtins(ctx.info)
